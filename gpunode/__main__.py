@@ -1,0 +1,7 @@
+"""`python -m gpunode`."""
+
+import sys
+
+from gpunode.cli.main import main
+
+sys.exit(main())

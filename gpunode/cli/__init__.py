@@ -1,0 +1,1 @@
+"""The command line: typer wiring and rendering only; the work lives in the modules it calls."""

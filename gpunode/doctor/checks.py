@@ -1,0 +1,475 @@
+"""The checks `gpunode doctor` runs. Each returns Findings; none raises for what it finds on the host.
+
+Order matters only for reading: later checks use what earlier ones learnt through the shared Context
+(e.g. no NVML → the per-GPU checks are skipped with the reason).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from gpunode import paths
+from gpunode.doctor.model import Finding, Status
+from gpunode.errors import CommandFailed, GpunodeError, NvmlError
+from gpunode.host import Host
+from gpunode.kubelet import kubelet_runtime
+from gpunode.nvml.model import Gpu, Inventory
+from gpunode.runtimes.model import RuntimeConfigState
+from gpunode.services import service_states
+
+VERSION_TIMEOUT = 5.0
+GIB = 1024**3
+
+SUPPORTED_DISTRIBUTIONS: dict[str, str] = {
+    "ubuntu": "Ubuntu 20.04, 22.04, 24.04",
+    "debian": "Debian 11, 12, 13",
+    "rhel": "RHEL 8, 9, 10",
+    "rocky": "Rocky Linux 8, 9, 10",
+    "almalinux": "AlmaLinux 8, 9, 10",
+    "centos": "CentOS Stream 8, 9, 10",
+    "fedora": "Fedora",
+    "amzn": "Amazon Linux 2, 2023",
+    "sles": "SLES 15",
+    "opensuse-leap": "openSUSE Leap 15",
+}
+
+# (name shown, binary, systemd unit)
+RUNTIMES: tuple[tuple[str, str, str], ...] = (
+    ("containerd", "containerd", "containerd.service"),
+    ("docker", "dockerd", "docker.service"),
+    ("crio", "crio", "crio.service"),
+)
+KUBELET_UNIT = "kubelet.service"
+
+
+@dataclass
+class Context:
+    host: Host
+    discover: Callable[[Host], Inventory]
+    _inventory: Inventory | NvmlError | None = None
+    _services: dict[str, str | None] = field(default_factory=dict)
+
+    def inventory(self) -> Inventory | NvmlError:
+        if self._inventory is None:
+            try:
+                self._inventory = self.discover(self.host)
+            except NvmlError as exc:
+                self._inventory = exc
+        return self._inventory
+
+    def service(self, unit: str) -> str | None:
+        if not self._services:
+            units = [unit for _, _, unit in RUNTIMES] + [KUBELET_UNIT, paths.PLUGIN_SERVICE]
+            self._services = service_states(self.host, units)
+        return self._services.get(unit)
+
+    def driver_module_loaded(self) -> bool:
+        return self.host.exists(paths.NVIDIA_MODULE) or self.host.exists(paths.NVIDIA_DRIVER_VERSION)
+
+
+# -- operating system ----------------------------------------------------------------------------
+
+
+def check_os(ctx: Context) -> Iterable[Finding]:
+    import distro
+
+    info = distro.LinuxDistribution(root_dir=str(ctx.host.root), include_lsb=False, include_uname=False)
+    dist_id, version, name = info.id(), info.version(), info.name(pretty=True)
+    like = info.like().split()
+    supported = dist_id in SUPPORTED_DISTRIBUTIONS or any(x in ("debian", "rhel", "suse") for x in like)
+    if not dist_id:
+        yield Finding(
+            "os.distribution",
+            Status.WARN,
+            "distribution unknown (no /etc/os-release)",
+            fix="gpunode supports: " + "; ".join(SUPPORTED_DISTRIBUTIONS.values()),
+        )
+    elif supported:
+        yield Finding("os.distribution", Status.OK, f"{name or dist_id} {version}".strip())
+    else:
+        yield Finding(
+            "os.distribution",
+            Status.WARN,
+            f"{name or dist_id} is not a distribution gpunode supports",
+            detail="NVIDIA publishes nvidia-container-toolkit packages for apt, dnf and zypper systems only.",
+            fix="use one of: " + "; ".join(SUPPORTED_DISTRIBUTIONS.values()),
+        )
+    if ctx.host.euid == 0:
+        yield Finding("os.privileges", Status.OK, "running as root")
+    else:
+        yield Finding(
+            "os.privileges",
+            Status.WARN,
+            "not running as root: some files and devices may be unreadable",
+            fix="run `sudo gpunode doctor` for a complete diagnosis",
+        )
+
+
+# -- driver -------------------------------------------------------------------------------------
+
+_NVRM = re.compile(r"Kernel Module(?: for [\w-]+)?\s+([0-9][0-9.]+)")
+
+
+def check_driver(ctx: Context) -> Iterable[Finding]:
+    host = ctx.host
+    if ctx.driver_module_loaded():
+        text = host.read_text_if_exists(paths.NVIDIA_DRIVER_VERSION) or ""
+        match = _NVRM.search(text)
+        version = match.group(1) if match else None
+        yield Finding(
+            "driver.module",
+            Status.OK,
+            f"nvidia kernel module loaded{f' (version {version})' if version else ''}",
+            detail=text.strip().splitlines()[0] if text.strip() else None,
+        )
+    else:
+        yield Finding(
+            "driver.module",
+            Status.FAIL,
+            "the nvidia kernel module is not loaded",
+            detail=f"neither {paths.NVIDIA_MODULE} nor {paths.NVIDIA_DRIVER_VERSION} exists",
+            fix="install the NVIDIA driver (e.g. `apt install nvidia-driver` / `ubuntu-drivers install`) and "
+            "load it with `modprobe nvidia`; if it will not load, see `dmesg | grep -i nvrm`",
+        )
+    if host.exists(paths.NOUVEAU_MODULE):
+        yield Finding(
+            "driver.nouveau",
+            Status.FAIL,
+            "the open-source nouveau driver is loaded and blocks the NVIDIA driver",
+            fix="blacklist it: `echo 'blacklist nouveau' > /etc/modprobe.d/blacklist-nouveau.conf && "
+            "update-initramfs -u` (or `dracut -f`), then reboot",
+        )
+    else:
+        yield Finding("driver.nouveau", Status.OK, "nouveau is not loaded")
+
+
+def check_nvml(ctx: Context) -> Iterable[Finding]:
+    inv = ctx.inventory()
+    if isinstance(inv, NvmlError):
+        yield Finding("nvml.init", Status.FAIL, "NVML cannot be used", detail=inv.message, fix=inv.fix)
+        return
+    cuda = f"{inv.cuda_driver_version[0]}.{inv.cuda_driver_version[1]}" if inv.cuda_driver_version else "unknown"
+    yield Finding(
+        "nvml.init",
+        Status.OK,
+        f"NVML initialised: driver {inv.driver_version or 'unknown'}, CUDA {cuda}",
+        detail=("Unknown facts (the driver does not provide them):\n" + "\n".join(inv.unknown))
+        if inv.unknown
+        else None,
+    )
+
+
+def _describe(gpu: Gpu) -> str:
+    parts = [gpu.name or "unknown model"]
+    if gpu.memory_total is not None:
+        parts.append(f"{gpu.memory_total / GIB:.0f} GiB")
+    if gpu.mig_mode is not None:
+        parts.append(f"MIG {'on' if gpu.mig_mode.current else 'off'}")
+    return ", ".join(parts)
+
+
+def check_gpus(ctx: Context) -> Iterable[Finding]:
+    inv = ctx.inventory()
+    if isinstance(inv, NvmlError):
+        yield Finding("gpu.count", Status.SKIP, "GPUs not listed: NVML cannot be used (see nvml.init)")
+        return
+    if not inv.gpus:
+        yield Finding(
+            "gpu.count",
+            Status.FAIL,
+            "the driver is loaded but sees no GPU",
+            fix="check `lspci | grep -i nvidia` and `dmesg | grep -i nvrm`; the GPU may be disabled in the "
+            "BIOS, passed to a VM, or unsupported by this driver version",
+        )
+        return
+    yield Finding("gpu.count", Status.OK, f"{len(inv.gpus)} GPU{'s' if len(inv.gpus) != 1 else ''} found")
+    for gpu in inv.gpus:
+        yield _gpu_finding(gpu)
+    not_persistent = [g.index for g in inv.gpus if g.persistence_mode is False]
+    if not_persistent:
+        yield Finding(
+            "gpu.persistence",
+            Status.WARN,
+            f"persistence mode is off on GPU {', '.join(map(str, not_persistent))}",
+            detail="Without it the driver tears the GPU state down whenever no process uses it, which slows "
+            "every container start and can race with the device plugin.",
+            fix="`systemctl enable --now nvidia-persistenced` (or `nvidia-smi -pm 1`)",
+        )
+    elif any(g.persistence_mode for g in inv.gpus):
+        yield Finding("gpu.persistence", Status.OK, "persistence mode is on")
+
+
+def _gpu_finding(gpu: Gpu) -> Finding:
+    fid = f"gpu.{gpu.index}"
+    if gpu.lost:
+        return Finding(
+            fid,
+            Status.FAIL,
+            f"GPU {gpu.index}{f' ({gpu.uuid})' if gpu.uuid else ''} has fallen off the bus",
+            fix="check `dmesg` for Xid 79; drain the node, then reset the GPU (`nvidia-smi -r -i "
+            f"{gpu.index}`) or reboot",
+        )
+    if gpu.error:
+        return Finding(fid, Status.FAIL, f"GPU {gpu.index} cannot be read", detail=gpu.error,
+                       fix="run gpunode as root, and check the permissions of /dev/nvidia*")
+    summary = f"GPU {gpu.index}: {_describe(gpu)}"
+    detail_lines = [f"UUID {gpu.uuid}"]
+    if gpu.pci_bus_id:
+        detail_lines.append(f"PCI {gpu.pci_bus_id}, NUMA node {gpu.numa_node if gpu.numa_node is not None else '-'}")
+    if gpu.compute_capability:
+        detail_lines.append(
+            f"compute capability {gpu.compute_capability[0]}.{gpu.compute_capability[1]}"
+            + (f" ({gpu.architecture})" if gpu.architecture else "")
+        )
+    for mig in gpu.mig_devices:
+        detail_lines.append(f"MIG {mig.profile or mig.name}: {mig.uuid}")
+    problems: list[tuple[Status, str, str]] = []
+    if gpu.remapped_rows_failure:
+        problems.append((Status.FAIL, "row remapping failed: the GPU memory is faulty",
+                         "drain the node and have the GPU replaced (RMA)"))
+    if gpu.ecc_uncorrected_volatile:
+        problems.append((Status.WARN, f"{gpu.ecc_uncorrected_volatile} uncorrectable ECC errors since the last "
+                         "driver load", "drain the node and reset the GPU; if errors recur, replace it"))
+    if gpu.retired_pages_pending or gpu.remapped_rows_pending:
+        problems.append((Status.WARN, "memory page retirement / row remapping is pending",
+                         f"drain the node, then reset the GPU (`nvidia-smi -r -i {gpu.index}`) or reboot"))
+    if gpu.mig_mode is not None and gpu.mig_mode.current != gpu.mig_mode.pending:
+        problems.append((Status.WARN, f"MIG mode change to {'on' if gpu.mig_mode.pending else 'off'} is pending",
+                         f"reset the GPU (`nvidia-smi -r -i {gpu.index}`) or reboot to apply it"))
+    if gpu.mig_mode is not None and gpu.mig_mode.current and not gpu.mig_devices:
+        problems.append((Status.WARN, "MIG is on but no MIG devices exist, so no workload can use this GPU",
+                         f"create instances, e.g. `nvidia-smi mig -i {gpu.index} -cgi 1g.10gb -C`"))
+    if not problems:
+        return Finding(fid, Status.OK, summary, detail="\n".join(detail_lines))
+    worst = Status.FAIL if any(s is Status.FAIL for s, _, _ in problems) else Status.WARN
+    return Finding(
+        fid,
+        worst,
+        summary + ": " + "; ".join(p for _, p, _ in problems),
+        detail="\n".join(detail_lines),
+        fix="; ".join(dict.fromkeys(f for _, _, f in problems)),
+    )
+
+
+def check_device_nodes(ctx: Context) -> Iterable[Finding]:
+    if not ctx.driver_module_loaded():
+        yield Finding("devices.nodes", Status.SKIP, "device nodes not checked: no nvidia kernel module")
+        return
+    wanted = ["/dev/nvidiactl", "/dev/nvidia-uvm"]
+    inv = ctx.inventory()
+    if not isinstance(inv, NvmlError):
+        wanted += [g.device_path for g in inv.gpus if g.device_path]
+    missing = [p for p in wanted if not ctx.host.is_char_device(p)]
+    if missing:
+        yield Finding(
+            "devices.nodes",
+            Status.FAIL,
+            f"missing device node{'s' if len(missing) > 1 else ''}: {', '.join(missing)}",
+            detail="Containers get GPUs through these character devices; without /dev/nvidia-uvm CUDA "
+            "cannot start.",
+            fix="`nvidia-modprobe -u -c=0` (creates the nodes; part of the driver), or `modprobe nvidia-uvm`",
+        )
+    else:
+        yield Finding("devices.nodes", Status.OK, f"device nodes present ({', '.join(wanted)})")
+
+
+# -- nvidia-container-toolkit -------------------------------------------------------------------
+
+_VERSION = re.compile(r"version\s+v?(\d+\.\d+\.\d+\S*)", re.IGNORECASE)
+
+
+def program_version(host: Host, program: str) -> tuple[str | None, str | None]:
+    """(host path, version) of a program; (None, None) when it is not installed."""
+    path = host.which(program)
+    if path is None:
+        return None, None
+    try:
+        result = host.run([path, "--version"], timeout=VERSION_TIMEOUT)
+    except CommandFailed:
+        return path, None
+    match = _VERSION.search(result.stdout + "\n" + result.stderr)
+    return path, match.group(1) if match else None
+
+
+def check_toolkit(ctx: Context) -> Iterable[Finding]:
+    found = {prog: program_version(ctx.host, prog) for prog in ("nvidia-ctk", "nvidia-container-runtime")}
+    missing = [prog for prog, (path, _) in found.items() if path is None]
+    if missing:
+        yield Finding(
+            "toolkit",
+            Status.FAIL,
+            f"nvidia-container-toolkit is not installed ({', '.join(missing)} not found)",
+            detail="Without nvidia-container-runtime no container runtime can give a container a GPU.",
+            fix="install it from NVIDIA's repository: see https://docs.nvidia.com/datacenter/cloud-native/"
+            "container-toolkit/latest/install-guide.html (packages nvidia-container-toolkit, "
+            "nvidia-container-toolkit-base, libnvidia-container-tools, libnvidia-container1)",
+        )
+        return
+    versions = ", ".join(f"{prog} {ver or 'version unknown'}" for prog, (_, ver) in found.items())
+    yield Finding("toolkit", Status.OK, f"nvidia-container-toolkit installed: {versions}")
+
+
+# -- container runtimes -------------------------------------------------------------------------
+
+
+def read_runtime_state(host: Host, runtime: str) -> RuntimeConfigState:
+    if runtime == "docker":
+        from gpunode.runtimes import docker
+
+        return docker.read_state(host)
+    if runtime == "containerd":
+        from gpunode.runtimes import containerd
+
+        return containerd.read_state(host)
+    from gpunode.runtimes import crio
+
+    return crio.read_state(host)
+
+
+def check_runtimes(ctx: Context) -> Iterable[Finding]:
+    host = ctx.host
+    kubelet_uses = kubelet_runtime(host)
+    if kubelet_uses is None and host.which("kubelet"):
+        kubelet_uses = "containerd"  # kubelet's built-in default endpoint since Kubernetes 1.27
+    installed = [(name, unit) for name, binary, unit in RUNTIMES if host.which(binary)]
+    if not installed:
+        yield Finding(
+            "runtime",
+            Status.FAIL,
+            "no container runtime is installed (containerd, docker or CRI-O)",
+            fix="install containerd (`apt install containerd` / `dnf install containerd.io`), the runtime "
+            "Kubernetes uses by default",
+        )
+        return
+    for name, binary, unit in RUNTIMES:
+        if (name, unit) not in installed:
+            yield Finding(f"runtime.{name}", Status.SKIP, f"{name} is not installed")
+            continue
+        essential = name == kubelet_uses or len(installed) == 1
+        yield _runtime_finding(ctx, name, unit, essential)
+
+
+def _runtime_finding(ctx: Context, name: str, unit: str, essential: bool) -> Finding:
+    fid = f"runtime.{name}"
+    state_word = ctx.service(unit)
+    running = "" if state_word is None else f", service {state_word}"
+    try:
+        state = read_runtime_state(ctx.host, name)
+    except GpunodeError as exc:
+        return Finding(fid, Status.FAIL, f"{name}: its configuration cannot be read", detail=exc.message,
+                       fix=exc.fix or "fix the file (the message says where), then run doctor again")
+    detail_lines = [f"config: {', '.join(state.files) or state.config_path}"
+                    + ("" if state.exists else " (absent: built-in defaults)")]
+    detail_lines.append(f"runtimes: {', '.join(state.runtimes) or '(none defined)'}; "
+                        f"default: {state.default_runtime or '-'}")
+    detail_lines += list(state.notes)
+    detail = "\n".join(detail_lines)
+    configure = _configure_fix(name)
+    if state.nvidia_runtime is None:
+        return Finding(
+            fid,
+            Status.FAIL if essential else Status.WARN,
+            f"{name}{running}: no nvidia runtime configured"
+            + (" (kubelet uses this runtime)" if essential else ""),
+            detail=detail,
+            fix=configure,
+        )
+    status = Status.OK
+    summary = f"{name}{running}: nvidia runtime '{state.nvidia_runtime}' configured"
+    fix = None
+    if state.nvidia_is_default:
+        summary += " and is the default"
+    else:
+        status = Status.WARN
+        summary += f", but the default is '{state.default_runtime}'"
+        fix = (f"make it the default ({configure}, adding --set-as-default), or give GPU pods "
+               f"`runtimeClassName: {state.nvidia_runtime}`")
+    if state_word is not None and state_word != "active":
+        status = Status.FAIL if essential else Status.WARN
+        fix = f"`systemctl restart {unit}` and check `journalctl -u {unit}`"
+    if any("SystemdCgroup" in n for n in state.notes):
+        status = Status.FAIL if essential else Status.WARN
+        fix = "set `SystemdCgroup = true` in the nvidia runtime's options (copy the default runtime's options)"
+    return Finding(fid, status, summary, detail=detail, fix=fix)
+
+
+def _configure_fix(name: str) -> str:
+    unit = {"docker": "docker", "containerd": "containerd", "crio": "crio"}[name]
+    return f"`nvidia-ctk runtime configure --runtime={name}` then `systemctl restart {unit}`"
+
+
+# -- kubelet and the device plugin --------------------------------------------------------------
+
+
+def check_kubelet(ctx: Context) -> Iterable[Finding]:
+    host = ctx.host
+    if host.which("kubelet") is None:
+        yield Finding(
+            "kubelet",
+            Status.WARN,
+            "kubelet is not installed: this machine is not a Kubernetes node yet",
+            fix="join the node to a cluster (kubeadm join, k3s agent, ...); GPU checks above still apply",
+        )
+        return
+    state = ctx.service(KUBELET_UNIT)
+    if state not in (None, "active"):
+        yield Finding("kubelet", Status.FAIL, f"kubelet service is {state}",
+                      fix="`systemctl restart kubelet` and read `journalctl -u kubelet -n 50`")
+    else:
+        yield Finding("kubelet", Status.OK, "kubelet is running" if state else "kubelet is installed")
+    if host.is_socket(paths.KUBELET_SOCKET):
+        yield Finding("kubelet.socket", Status.OK, f"device plugin registration socket {paths.KUBELET_SOCKET}")
+    else:
+        yield Finding(
+            "kubelet.socket",
+            Status.FAIL,
+            f"{paths.KUBELET_SOCKET} is missing: device plugins cannot register",
+            detail="kubelet creates this socket when it starts; it is missing when kubelet is not running or "
+            "uses another root directory (--root-dir).",
+            fix="`systemctl restart kubelet`; if kubelet runs with --root-dir, use that directory",
+        )
+
+
+def check_plugin(ctx: Context) -> Iterable[Finding]:
+    host = ctx.host
+    if host.which("kubelet") is None:
+        yield Finding("plugin", Status.SKIP, "device plugin not checked: no kubelet")
+        return
+    state = ctx.service(paths.PLUGIN_SERVICE)
+    ours = host.is_socket(paths.PLUGIN_SOCKET)
+    nvidia = host.is_socket(paths.NVIDIA_PLUGIN_SOCKET)
+    if state == "active" and ours:
+        yield Finding("plugin", Status.OK, f"gpunode device plugin running ({paths.PLUGIN_SOCKET})")
+    elif state == "active":
+        yield Finding("plugin", Status.FAIL, f"{paths.PLUGIN_SERVICE} is active but its socket is missing",
+                      fix=f"`journalctl -u {paths.PLUGIN_SERVICE}`; `systemctl restart {paths.PLUGIN_SERVICE}`")
+    elif state in ("failed", "activating"):
+        yield Finding("plugin", Status.FAIL, f"{paths.PLUGIN_SERVICE} is {state}",
+                      fix=f"`journalctl -u {paths.PLUGIN_SERVICE} -n 50`")
+    elif nvidia:
+        yield Finding("plugin", Status.OK, f"NVIDIA's device plugin is serving ({paths.NVIDIA_PLUGIN_SOCKET})")
+    elif ours:
+        yield Finding("plugin", Status.OK, f"a gpunode device plugin is serving ({paths.PLUGIN_SOCKET})")
+    else:
+        yield Finding(
+            "plugin",
+            Status.FAIL,
+            "no GPU device plugin is serving: the node advertises no nvidia.com/gpu",
+            fix="deploy a device plugin: NVIDIA's k8s-device-plugin DaemonSet, or `gpunode plugin run` as a "
+            "service",
+        )
+
+
+ALL_CHECKS: tuple[Callable[[Context], Iterable[Finding]], ...] = (
+    check_os,
+    check_driver,
+    check_nvml,
+    check_gpus,
+    check_device_nodes,
+    check_toolkit,
+    check_runtimes,
+    check_kubelet,
+    check_plugin,
+)

@@ -1,0 +1,375 @@
+"""The host seam: every file gpunode reads or writes, and every command it runs, goes through a Host.
+
+A Host is a root path plus a command runner. Production uses Host() (root "/", real subprocesses); tests
+use Host(root=tmp_path, runner=a scripted runner) and see every read, write and command. NVML is the one
+exception: it is the process's own shared library, not a file under the root.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import stat
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Protocol
+
+from gpunode.errors import CommandFailed, ConfigError, NotFound, PermissionDenied
+
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+DEFAULT_TIMEOUT = 10.0
+BACKUP_SUFFIX = ".gpunode-bak"
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    argv: tuple[str, ...]
+    returncode: int
+    stdout: str
+    stderr: str
+    duration: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+    def check(self) -> CommandResult:
+        """Raise CommandFailed (with the command and the end of its output) unless it exited 0."""
+        if self.returncode != 0:
+            tail = "\n".join((self.stderr or self.stdout).strip().splitlines()[-10:])
+            raise CommandFailed(
+                f"`{' '.join(self.argv)}` exited with status {self.returncode}"
+                + (f":\n{tail}" if tail else ""),
+            )
+        return self
+
+
+class Runner(Protocol):
+    """Runs a command given as an argument list (never a shell string)."""
+
+    def run(
+        self,
+        argv: Sequence[str],
+        *,
+        timeout: float,
+        env: Mapping[str, str] | None = None,
+        input: str | None = None,
+    ) -> CommandResult: ...
+
+
+class SubprocessRunner:
+    """The real runner. A program that cannot start or runs past its timeout raises CommandFailed."""
+
+    def run(
+        self,
+        argv: Sequence[str],
+        *,
+        timeout: float,
+        env: Mapping[str, str] | None = None,
+        input: str | None = None,
+    ) -> CommandResult:
+        start = time.monotonic()
+        full_env = None if env is None else {**os.environ, **env}
+        try:
+            proc = subprocess.run(
+                list(argv),
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                env=full_env,
+                input=input,
+                stdin=None if input is not None else subprocess.DEVNULL,
+                check=False,
+            )
+        except FileNotFoundError as exc:
+            raise CommandFailed(f"`{argv[0]}` is not installed (not found on PATH)") from exc
+        except PermissionError as exc:
+            raise CommandFailed(f"`{argv[0]}` cannot be executed: permission denied") from exc
+        except subprocess.TimeoutExpired as exc:
+            raise CommandFailed(
+                f"`{' '.join(argv)}` did not finish within {timeout:g} s and was stopped",
+            ) from exc
+        return CommandResult(tuple(argv), proc.returncode, proc.stdout, proc.stderr, time.monotonic() - start)
+
+
+@dataclass
+class ScriptedRunner:
+    """A runner for tests and dry runs: records every command and answers from a table.
+
+    `responses` maps an argv prefix (tuple) to a CommandResult, or to an exception to raise; the
+    longest matching prefix wins. A command with no answer behaves like a program that is not installed.
+    """
+
+    responses: dict[tuple[str, ...], CommandResult | Exception] = field(default_factory=dict)
+    calls: list[tuple[str, ...]] = field(default_factory=list)
+
+    def answer(self, argv: Sequence[str], stdout: str = "", returncode: int = 0, stderr: str = "") -> None:
+        self.responses[tuple(argv)] = CommandResult(tuple(argv), returncode, stdout, stderr)
+
+    def run(
+        self,
+        argv: Sequence[str],
+        *,
+        timeout: float,
+        env: Mapping[str, str] | None = None,
+        input: str | None = None,
+    ) -> CommandResult:
+        key = tuple(argv)
+        self.calls.append(key)
+        for n in range(len(key), 0, -1):
+            found = self.responses.get(key[:n])
+            if found is None:
+                continue
+            if isinstance(found, Exception):
+                raise found
+            return CommandResult(key, found.returncode, found.stdout, found.stderr)
+        raise CommandFailed(f"`{argv[0]}` is not installed (not found on PATH)")
+
+
+@dataclass(frozen=True)
+class WriteOutcome:
+    path: Path
+    changed: bool
+    backup: Path | None = None
+
+
+class Host:
+    """One machine as gpunode sees it: files under `root`, commands through `runner`."""
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str] = "/",
+        runner: Runner | None = None,
+        env: Mapping[str, str] | None = None,
+        euid: int | None = None,
+    ) -> None:
+        self.root = Path(root)
+        self.runner: Runner = runner or SubprocessRunner()
+        self.env: Mapping[str, str] = os.environ if env is None else env
+        self._euid = euid
+
+    @property
+    def is_real_root(self) -> bool:
+        return self.root == Path("/")
+
+    @property
+    def euid(self) -> int:
+        return os.geteuid() if self._euid is None else self._euid
+
+    def path(self, host_path: str | os.PathLike[str]) -> Path:
+        """The local path of `host_path` (an absolute path on the host) under this Host's root."""
+        p = PurePosixPath(host_path)
+        if not p.is_absolute():
+            raise ValueError(f"host paths are absolute, got {host_path!r}")
+        return self.root.joinpath(*p.parts[1:])
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def exists(self, host_path: str) -> bool:
+        return self.path(host_path).exists()
+
+    def is_dir(self, host_path: str) -> bool:
+        return self.path(host_path).is_dir()
+
+    def is_file(self, host_path: str) -> bool:
+        return self.path(host_path).is_file()
+
+    def is_socket(self, host_path: str) -> bool:
+        try:
+            return stat.S_ISSOCK(self.path(host_path).stat().st_mode)
+        except OSError:
+            return False
+
+    def is_char_device(self, host_path: str) -> bool:
+        try:
+            return stat.S_ISCHR(self.path(host_path).stat().st_mode)
+        except OSError:
+            return False
+
+    def listdir(self, host_path: str) -> list[str]:
+        try:
+            return sorted(os.listdir(self.path(host_path)))
+        except FileNotFoundError:
+            return []
+        except NotADirectoryError:
+            return []
+        except PermissionError as exc:
+            raise PermissionDenied(
+                f"cannot list {host_path}: permission denied", "run gpunode as root (sudo)"
+            ) from exc
+
+    def read_text(self, host_path: str) -> str:
+        """Read a text file; missing, unreadable, directory or not UTF-8 each raise a clear error."""
+        local = self.path(host_path)
+        try:
+            return local.read_text(encoding="utf-8")
+        except FileNotFoundError as exc:
+            raise NotFound(f"{host_path} does not exist") from exc
+        except IsADirectoryError as exc:
+            raise ConfigError(f"{host_path} is a directory, not a file", "pass the path of the file") from exc
+        except PermissionError as exc:
+            raise PermissionDenied(
+                f"cannot read {host_path}: permission denied", "run gpunode as root (sudo)"
+            ) from exc
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{host_path} is not a UTF-8 text file ({exc.reason} at byte {exc.start})") from exc
+
+    def read_text_if_exists(self, host_path: str) -> str | None:
+        try:
+            return self.read_text(host_path)
+        except NotFound:
+            return None
+
+    def which(self, program: str) -> str | None:
+        """The host path of `program` on the host's PATH, looked up under the root."""
+        for directory in self.env.get("PATH", DEFAULT_PATH).split(os.pathsep):
+            if not directory.startswith("/"):
+                continue
+            candidate = f"{directory.rstrip('/')}/{program}"
+            local = self.path(candidate)
+            if local.is_file() and os.access(local, os.X_OK):
+                return candidate
+        return None
+
+    # -- commands ------------------------------------------------------------------------------
+
+    def run(
+        self,
+        argv: Sequence[str],
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        env: Mapping[str, str] | None = None,
+        input: str | None = None,
+    ) -> CommandResult:
+        """Run a command (argument list). Non-zero exit is returned, not raised: call .check()."""
+        return self.runner.run(argv, timeout=timeout, env=env, input=input)
+
+    # -- writing -------------------------------------------------------------------------------
+
+    def resolve(self, host_path: str) -> str:
+        """Follow symlinks the way the host would, staying under the root (absolute link targets are
+        host paths, so they are re-rooted rather than followed on this machine)."""
+        current = PurePosixPath(host_path)
+        for _ in range(40):  # the kernel's own limit on symlink hops
+            local = self.path(str(current))
+            if not local.is_symlink():
+                return str(current)
+            target = PurePosixPath(os.readlink(local))
+            current = target if target.is_absolute() else current.parent / target
+            current = PurePosixPath(os.path.normpath(str(current)))
+        raise ConfigError(f"{host_path}: too many levels of symbolic links")
+
+    def write_file(self, host_path: str, content: str | bytes, *, mode: int = 0o644) -> WriteOutcome:
+        """Replace a file atomically, keeping a backup of the original.
+
+        temp file in the same directory → fsync → rename → fsync the directory, so a crash leaves either
+        the old or the new file, never half of one. A symlinked path is written through to its target.
+        The existing file's mode and owner are kept (`mode` is for new files). Identical content is not
+        rewritten (same bytes, same mtime). The first change keeps the original as `<file>.gpunode-bak`;
+        later changes never overwrite that backup, so it is always the file as it was before gpunode.
+        """
+        data = content.encode("utf-8") if isinstance(content, str) else content
+        target_host = self.resolve(host_path)
+        target = self.path(target_host)
+        directory = target.parent
+        if target.is_dir():
+            raise ConfigError(f"{host_path} is a directory, not a file", "pass the path of the file")
+        if not directory.is_dir():
+            raise NotFound(
+                f"cannot write {host_path}: directory {target_host.rsplit('/', 1)[0] or '/'} does not exist"
+            )
+        with _locked_directory(directory, host_path):
+            try:
+                old = target.read_bytes()
+                st: os.stat_result | None = target.stat()
+            except FileNotFoundError:
+                old, st = None, None
+            except PermissionError as exc:
+                raise PermissionDenied(
+                    f"cannot read {host_path}: permission denied", "run gpunode as root (sudo)"
+                ) from exc
+            if old == data:
+                return WriteOutcome(target, changed=False)
+            backup: Path | None = None
+            if old is not None and st is not None:
+                backup = target.with_name(target.name + BACKUP_SUFFIX)
+                if not backup.exists():
+                    _atomic_write(backup, old, st.st_mode, st.st_uid, st.st_gid)
+            _atomic_write(
+                target,
+                data,
+                st.st_mode if st else mode,
+                st.st_uid if st else None,
+                st.st_gid if st else None,
+            )
+            return WriteOutcome(target, changed=True, backup=backup)
+
+
+@contextlib.contextmanager
+def _locked_directory(directory: Path, host_path: str) -> Iterator[None]:
+    """Serialise gpunode's writers in one directory (flock on the directory itself: no lock files left)."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _wait_for_lock(lambda: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB), host_path)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
+
+
+def _wait_for_lock(try_lock: Callable[[], None], host_path: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            try_lock()
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise CommandFailed(
+                    f"another gpunode is writing next to {host_path} and did not finish within {timeout:g} s",
+                    "wait for it to finish, then run the command again",
+                ) from None
+            time.sleep(0.05)
+
+
+def _atomic_write(target: Path, data: bytes, mode: int, uid: int | None, gid: int | None) -> None:
+    directory = target.parent
+    try:
+        fd, tmp_name = tempfile.mkstemp(dir=directory, prefix=f".{target.name}.", suffix=".gpunode-tmp")
+    except PermissionError as exc:
+        raise PermissionDenied(
+            f"cannot write in {directory}: permission denied", "run gpunode as root (sudo)"
+        ) from exc
+    tmp = Path(tmp_name)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fchmod(fh.fileno(), stat.S_IMODE(mode))
+            if uid is not None and gid is not None:
+                try:
+                    os.fchown(fh.fileno(), uid, gid)
+                except PermissionError:
+                    # Only root may give a file away; a non-root writer already owns what it may write.
+                    pass
+            os.fsync(fh.fileno())
+        os.rename(tmp, target)
+    except BaseException as exc:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            raise CommandFailed(f"no space left on the device to write {target}") from exc
+        raise
+    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)

@@ -1,0 +1,34 @@
+"""systemd service state, read through the host seam."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from gpunode.errors import CommandFailed
+from gpunode.host import Host
+
+SYSTEMCTL_TIMEOUT = 5.0
+
+
+def systemd_running(host: Host) -> bool:
+    # sd_booted(3): this directory exists only when systemd is PID 1.
+    return host.is_dir("/run/systemd/system")
+
+
+def service_states(host: Host, units: Sequence[str]) -> dict[str, str | None]:
+    """`systemctl is-active` for several units in one call: unit → "active", "inactive", "failed", ...
+
+    None for every unit when systemd is not running here or systemctl cannot answer (a container, a
+    chroot): the caller then falls back to other evidence such as sockets.
+    """
+    unknown: dict[str, str | None] = dict.fromkeys(units)
+    if not units or not systemd_running(host) or host.which("systemctl") is None:
+        return unknown
+    try:
+        result = host.run(["systemctl", "is-active", *units], timeout=SYSTEMCTL_TIMEOUT)
+    except CommandFailed:
+        return unknown
+    lines = result.stdout.splitlines()
+    if len(lines) != len(units):
+        return unknown
+    return {unit: line.strip() or None for unit, line in zip(units, lines)}

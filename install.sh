@@ -1,0 +1,180 @@
+#!/usr/bin/env bash
+# Install gpunode into its own virtualenv and put `gpunode` on PATH. Safe to run again: it reuses the
+# virtualenv, upgrades gpunode in place and leaves everything else alone.
+set -euo pipefail
+
+MIN_PYTHON="3.10"
+PREFIX="/opt/gpunode"
+BIN_DIR="/usr/local/bin"
+DEV=0
+LINK=1
+APT=1
+UNINSTALL=0
+PYTHON="${PYTHON:-}"
+SRC_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# Debian packages the test suite runs for real (see tests/README in the README's "Tests" section).
+DEV_DEBIAN_PACKAGES=(gcc libc6-dev)
+
+usage() {
+    cat <<EOF
+Usage: ./install.sh [options]
+
+Installs gpunode into a virtualenv (default $PREFIX) and links $BIN_DIR/gpunode to it.
+
+Options:
+  --prefix DIR     virtualenv to install into (default: $PREFIX)
+  --bin-dir DIR    where to link the gpunode command (default: $BIN_DIR)
+  --no-link        do not create the link (e.g. a development virtualenv)
+  --dev            also install the test dependencies: Debian packages (${DEV_DEBIAN_PACKAGES[*]})
+                   and the [dev] extras; gpunode is installed editable from this checkout
+  --no-apt         with --dev: do not install Debian packages
+  --python PATH    the Python interpreter to use (default: the first of /usr/bin/python3,
+                   python3.13 .. python3.10, python3 that is at least $MIN_PYTHON)
+  --uninstall      remove the link and the virtualenv, and nothing else
+  -h, --help       show this help
+EOF
+}
+
+say() { printf 'install.sh: %s\n' "$*"; }
+die() {
+    printf 'install.sh: error: %s\n' "$1" >&2
+    [ $# -gt 1 ] && printf '  fix: %s\n' "$2" >&2
+    exit 1
+}
+
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --prefix) [ $# -ge 2 ] || die "--prefix needs a directory"; PREFIX="$2"; shift 2 ;;
+        --prefix=*) PREFIX="${1#*=}"; shift ;;
+        --bin-dir) [ $# -ge 2 ] || die "--bin-dir needs a directory"; BIN_DIR="$2"; shift 2 ;;
+        --bin-dir=*) BIN_DIR="${1#*=}"; shift ;;
+        --python) [ $# -ge 2 ] || die "--python needs a path"; PYTHON="$2"; shift 2 ;;
+        --python=*) PYTHON="${1#*=}"; shift ;;
+        --no-link) LINK=0; shift ;;
+        --dev) DEV=1; shift ;;
+        --no-apt) APT=0; shift ;;
+        --uninstall) UNINSTALL=1; shift ;;
+        -h|--help) usage; exit 0 ;;
+        *) usage >&2; die "unknown option: $1" "see ./install.sh --help" ;;
+    esac
+done
+
+case "$PREFIX" in /*) ;; *) PREFIX="$PWD/$PREFIX" ;; esac
+case "$BIN_DIR" in /*) ;; *) BIN_DIR="$PWD/$BIN_DIR" ;; esac
+LINK_PATH="$BIN_DIR/gpunode"
+
+is_root() { [ "$(id -u)" -eq 0 ]; }
+
+# The nearest existing directory at or above $1 must be writable for us to create $1.
+writable() {
+    local dir="$1"
+    while [ ! -e "$dir" ]; do dir="$(dirname "$dir")"; done
+    [ -w "$dir" ]
+}
+
+require_root_for() {
+    is_root && return 0
+    die "installing $1 needs root" "run it with sudo: sudo ./install.sh $(printf '%q ' "${ORIGINAL_ARGS[@]}")"
+}
+ORIGINAL_ARGS=("$@")
+
+if [ "$UNINSTALL" -eq 1 ]; then
+    if [ -L "$LINK_PATH" ] && [ "$(readlink "$LINK_PATH")" = "$PREFIX/bin/gpunode" ]; then
+        writable "$BIN_DIR" || require_root_for "$LINK_PATH"
+        rm -f "$LINK_PATH"
+        say "removed $LINK_PATH"
+    fi
+    if [ -x "$PREFIX/bin/python" ] && [ -f "$PREFIX/pyvenv.cfg" ]; then
+        writable "$(dirname "$PREFIX")" || require_root_for "$PREFIX"
+        rm -rf "$PREFIX"
+        say "removed $PREFIX"
+    fi
+    say "gpunode is uninstalled (files it wrote elsewhere, such as backups, are kept)"
+    exit 0
+fi
+
+# --- root ----------------------------------------------------------------------------------------
+writable "$PREFIX" || require_root_for "$PREFIX"
+if [ "$LINK" -eq 1 ]; then writable "$BIN_DIR" || require_root_for "$LINK_PATH"; fi
+if [ "$DEV" -eq 1 ] && [ "$APT" -eq 1 ]; then
+    missing_debs=()
+    for pkg in "${DEV_DEBIAN_PACKAGES[@]}"; do
+        dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing_debs+=("$pkg")
+    done
+    if [ "${#missing_debs[@]}" -gt 0 ]; then
+        command -v apt-get >/dev/null || die "the test dependencies are Debian packages (${missing_debs[*]}) and this system has no apt-get" "install them with your package manager, then run ./install.sh --dev --no-apt"
+        require_root_for "Debian packages (${missing_debs[*]})"
+        say "installing Debian packages: ${missing_debs[*]}"
+        export DEBIAN_FRONTEND=noninteractive
+        apt-get update -q || die "apt-get update failed" "check the network and /etc/apt/sources.list"
+        apt-get install -y -q --no-install-recommends "${missing_debs[@]}" \
+            || die "apt-get could not install: ${missing_debs[*]}" "see apt-get's message above"
+    fi
+fi
+
+# --- Python --------------------------------------------------------------------------------------
+version_ok() {
+    "$1" -c "import sys; sys.exit(0 if sys.version_info >= tuple(map(int, '$MIN_PYTHON'.split('.'))) else 1)" 2>/dev/null
+}
+if [ -n "$PYTHON" ]; then
+    command -v "$PYTHON" >/dev/null || die "--python $PYTHON: no such interpreter"
+    if ! version_ok "$PYTHON"; then
+        found="$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null || echo unknown)"
+        die "gpunode needs Python >= $MIN_PYTHON, but $PYTHON is $found" "install a newer Python (e.g. apt install python3.11) and pass --python /usr/bin/python3.11"
+    fi
+else
+    for candidate in /usr/bin/python3 python3.13 python3.12 python3.11 python3.10 python3; do
+        if command -v "$candidate" >/dev/null && version_ok "$candidate"; then PYTHON="$(command -v "$candidate")"; break; fi
+    done
+    if [ -z "$PYTHON" ]; then
+        found="$(python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null || echo none)"
+        die "gpunode needs Python >= $MIN_PYTHON; the newest python3 here is $found" "install python3.10 or newer (e.g. apt install python3.11, dnf install python3.11) and pass --python PATH"
+    fi
+fi
+
+# --- virtualenv ----------------------------------------------------------------------------------
+if [ -x "$PREFIX/bin/python" ] && "$PREFIX/bin/python" -c 'import sys' 2>/dev/null; then
+    say "reusing the virtualenv in $PREFIX"
+else
+    [ -e "$PREFIX" ] && [ ! -f "$PREFIX/pyvenv.cfg" ] && [ -n "$(ls -A "$PREFIX" 2>/dev/null)" ] \
+        && die "$PREFIX exists and is not a virtualenv; refusing to touch it" "choose another --prefix, or remove $PREFIX"
+    say "creating a virtualenv in $PREFIX with $PYTHON"
+    venv_err="$(mktemp)"
+    trap 'rm -f "$venv_err"' EXIT
+    if ! "$PYTHON" -m venv --clear "$PREFIX" 2>"$venv_err"; then
+        if command -v apt-get >/dev/null && is_root; then
+            pyver="$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
+            say "the venv module is missing; installing python${pyver}-venv"
+            DEBIAN_FRONTEND=noninteractive apt-get install -y -q "python${pyver}-venv" \
+                || die "could not install python${pyver}-venv" "apt-get install python${pyver}-venv"
+            "$PYTHON" -m venv --clear "$PREFIX" || die "could not create a virtualenv in $PREFIX"
+        else
+            cat "$venv_err" >&2
+            die "could not create a virtualenv with $PYTHON" "install the venv module (Debian/Ubuntu: apt install python3-venv)"
+        fi
+    fi
+fi
+
+# --- gpunode -------------------------------------------------------------------------------------
+pip_install() {
+    "$PREFIX/bin/python" -m pip install --disable-pip-version-check -q "$@" \
+        || die "pip could not install gpunode's Python packages (see pip's message above)" "check access to PyPI, or point pip at a mirror with PIP_INDEX_URL=..."
+}
+if [ "$DEV" -eq 1 ]; then
+    say "installing gpunode (editable, with test dependencies) from $SRC_DIR"
+    pip_install -e "$SRC_DIR[dev]"
+else
+    say "installing gpunode from $SRC_DIR"
+    pip_install --upgrade "$SRC_DIR"
+fi
+
+if [ "$LINK" -eq 1 ]; then
+    if [ -e "$LINK_PATH" ] && [ ! -L "$LINK_PATH" ]; then
+        die "$LINK_PATH exists and is not a link made by install.sh; refusing to replace it" "remove it, or use --bin-dir / --no-link"
+    fi
+    mkdir -p "$BIN_DIR"
+    ln -sfn "$PREFIX/bin/gpunode" "$LINK_PATH"
+    say "linked $LINK_PATH -> $PREFIX/bin/gpunode"
+fi
+
+say "$("$PREFIX/bin/gpunode" --version) is installed in $PREFIX; run: gpunode doctor"

@@ -1,0 +1,168 @@
+"""The host seam: root mapping, reads with clear errors, atomic writes with backups."""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+from pathlib import Path
+
+import pytest
+
+from gpunode.errors import CommandFailed, ConfigError, NotFound
+from gpunode.host import BACKUP_SUFFIX, CommandResult, Host, ScriptedRunner, SubprocessRunner
+
+
+def test_paths_are_mapped_under_the_root(tmp_path: Path) -> None:
+    host = Host(root=tmp_path)
+    assert host.path("/etc/docker/daemon.json") == tmp_path / "etc/docker/daemon.json"
+    with pytest.raises(ValueError, match="absolute"):
+        host.path("etc/x")
+
+
+def test_read_errors_name_the_file(tmp_path: Path) -> None:
+    host = Host(root=tmp_path)
+    with pytest.raises(NotFound, match="/etc/missing.conf does not exist"):
+        host.read_text("/etc/missing.conf")
+    (tmp_path / "etc").mkdir()
+    with pytest.raises(ConfigError, match="/etc is a directory"):
+        host.read_text("/etc")
+    (tmp_path / "etc/bin.conf").write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(ConfigError, match=r"/etc/bin.conf is not a UTF-8 text file"):
+        host.read_text("/etc/bin.conf")
+    assert host.read_text_if_exists("/etc/missing.conf") is None
+
+
+def test_which_looks_under_the_root(tmp_path: Path) -> None:
+    host = Host(root=tmp_path, env={"PATH": "/usr/sbin:/usr/bin"})
+    assert host.which("nvidia-ctk") is None
+    exe = tmp_path / "usr/bin/nvidia-ctk"
+    exe.parent.mkdir(parents=True)
+    exe.write_text("#!/bin/sh\n")
+    assert host.which("nvidia-ctk") is None  # not executable
+    exe.chmod(0o755)
+    assert host.which("nvidia-ctk") == "/usr/bin/nvidia-ctk"
+
+
+def test_write_creates_a_new_file_with_the_given_mode(tmp_path: Path) -> None:
+    host = Host(root=tmp_path)
+    (tmp_path / "etc").mkdir()
+    outcome = host.write_file("/etc/new.conf", "hello\n", mode=0o600)
+    assert outcome.changed and outcome.backup is None
+    assert (tmp_path / "etc/new.conf").read_text() == "hello\n"
+    assert stat.S_IMODE((tmp_path / "etc/new.conf").stat().st_mode) == 0o600
+    assert [p.name for p in (tmp_path / "etc").iterdir()] == ["new.conf"]  # no temp file left behind
+
+
+def test_write_keeps_mode_owner_and_first_backup(tmp_path: Path) -> None:
+    host = Host(root=tmp_path)
+    target = tmp_path / "daemon.json"
+    target.write_text("original\n")
+    target.chmod(0o640)
+    os.chown(target, 1234, 4321)
+    first = host.write_file("/daemon.json", "changed once\n")
+    assert first.changed and first.backup == tmp_path / ("daemon.json" + BACKUP_SUFFIX)
+    host.write_file("/daemon.json", "changed twice\n")
+    st = target.stat()
+    assert target.read_text() == "changed twice\n"
+    assert stat.S_IMODE(st.st_mode) == 0o640 and (st.st_uid, st.st_gid) == (1234, 4321)
+    backup = tmp_path / ("daemon.json" + BACKUP_SUFFIX)
+    assert backup.read_text() == "original\n"  # the file as it was before gpunode, never overwritten
+    assert stat.S_IMODE(backup.stat().st_mode) == 0o640
+
+
+def test_unchanged_content_is_not_rewritten(tmp_path: Path) -> None:
+    host = Host(root=tmp_path)
+    target = tmp_path / "config.toml"
+    target.write_text("same\n")
+    os.utime(target, ns=(1_000_000_000, 1_000_000_000))
+    inode = target.stat().st_ino
+    outcome = host.write_file("/config.toml", "same\n")
+    assert not outcome.changed
+    assert target.stat().st_mtime_ns == 1_000_000_000 and target.stat().st_ino == inode
+    assert not (tmp_path / ("config.toml" + BACKUP_SUFFIX)).exists()
+
+
+def test_write_follows_symlinks_within_the_root(tmp_path: Path) -> None:
+    host = Host(root=tmp_path)
+    (tmp_path / "etc/containerd").mkdir(parents=True)
+    (tmp_path / "opt/conf").mkdir(parents=True)
+    (tmp_path / "opt/conf/config.toml").write_text("old\n")
+    # An absolute link target is a host path: it must be re-rooted, not followed on this machine.
+    (tmp_path / "etc/containerd/config.toml").symlink_to("/opt/conf/config.toml")
+    host.write_file("/etc/containerd/config.toml", "new\n")
+    assert (tmp_path / "etc/containerd/config.toml").is_symlink()
+    assert (tmp_path / "opt/conf/config.toml").read_text() == "new\n"
+
+
+def test_write_refuses_directories_and_missing_parents(tmp_path: Path) -> None:
+    host = Host(root=tmp_path)
+    (tmp_path / "adir").mkdir()
+    with pytest.raises(ConfigError, match="is a directory"):
+        host.write_file("/adir", "x")
+    with pytest.raises(NotFound, match="directory /nope does not exist"):
+        host.write_file("/nope/file", "x")
+
+
+def test_failed_write_leaves_the_original_and_no_temp_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    host = Host(root=tmp_path)
+    target = tmp_path / "f.conf"
+    target.write_text("keep me\n")
+
+    def broken_rename(src: str, dst: str) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "rename", broken_rename)
+    with pytest.raises(CommandFailed, match="no space left"):
+        host.write_file("/f.conf", "new\n")
+    assert target.read_text() == "keep me\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.conf"]  # the backup write failed first
+
+
+def test_concurrent_writers_do_not_interleave(tmp_path: Path) -> None:
+    host = Host(root=tmp_path)
+    errors: list[BaseException] = []
+
+    def writer(n: int) -> None:
+        try:
+            for i in range(20):
+                host.write_file("/shared.conf", f"writer {n} round {i}\n" * 50)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    lines = set((tmp_path / "shared.conf").read_text().splitlines())
+    assert len(lines) == 1  # one writer's whole content, never a mix
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".gpunode-tmp")]
+
+
+def test_subprocess_runner_uses_argument_lists_and_reports_failures() -> None:
+    runner = SubprocessRunner()
+    result = runner.run(["sh", "-c", 'printf "%s" "$1"', "sh", "a b; rm -rf /"], timeout=5)
+    assert result.ok and result.stdout == "a b; rm -rf /"
+    failed = runner.run(["sh", "-c", "echo boom >&2; exit 3"], timeout=5)
+    with pytest.raises(CommandFailed, match=r"exited with status 3:\nboom"):
+        failed.check()
+    with pytest.raises(CommandFailed, match="is not installed"):
+        runner.run(["/nonexistent/gpunode-test-program"], timeout=5)
+    with pytest.raises(CommandFailed, match="did not finish within 0.2 s"):
+        runner.run(["sleep", "5"], timeout=0.2)
+
+
+def test_scripted_runner_answers_by_longest_prefix() -> None:
+    runner = ScriptedRunner()
+    runner.answer(["systemctl"], stdout="generic")
+    runner.answer(["systemctl", "is-active"], stdout="active\n")
+    runner.responses[("boom",)] = CommandFailed("boom timed out")
+    assert Host(runner=runner).run(["systemctl", "is-active", "kubelet"]).stdout == "active\n"
+    assert Host(runner=runner).run(["systemctl", "status"]).stdout == "generic"
+    with pytest.raises(CommandFailed, match="timed out"):
+        Host(runner=runner).run(["boom"])
+    with pytest.raises(CommandFailed, match="not installed"):
+        Host(runner=runner).run(["other"])
+    assert runner.calls[0] == ("systemctl", "is-active", "kubelet")
