@@ -1,4 +1,4 @@
-"""What gpunode reads from a container runtime's configuration (read-only; doctor and the editors share it)."""
+"""What gpunode reads from a container runtime's configuration (read-only; doctor and editors share it)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ class RuntimeConfigState:
     version: int | None = None  # containerd's config version; None for the others
     files: tuple[str, ...] = ()  # every file that contributed (drop-ins, imports), in merge order
     notes: tuple[str, ...] = ()  # things an operator should know (e.g. a k3s template is in charge)
+    # The subset of notes that stops the runtime from starting or breaks GPU pods (doctor fails on these).
+    problems: tuple[str, ...] = ()
 
     @property
     def nvidia_is_default(self) -> bool:

@@ -1,0 +1,157 @@
+"""Read Docker's daemon.json: is the nvidia runtime defined, is it the default, is CDI on (read-only).
+
+Parsing is pure (text → dict → facts) so that `configure-runtime` can reuse it on the document it edits.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import PurePosixPath
+from typing import Any
+
+from gpunode.errors import ConfigError
+from gpunode.host import Host
+from gpunode.runtimes.model import DEFAULT_NVIDIA_RUNTIME_NAME, RuntimeConfigState
+
+DAEMON_JSON = "/etc/docker/daemon.json"
+BUILTIN_DEFAULT_RUNTIME = "runc"
+NVIDIA_RUNTIME_BINARY = "nvidia-container-runtime"
+
+
+def parse_daemon_json(text: str, path: str) -> dict[str, Any]:
+    """The top-level object of daemon.json; a blank file reads as {} (read_state says dockerd rejects it)."""
+    if not text.strip():
+        return {}
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(
+            f"{path} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}",
+            f"correct line {exc.lineno} of {path}; dockerd refuses to start with the file as it is",
+        ) from None
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"{path} must hold a JSON object ({{...}}) at the top level, not {_json_kind(data)}",
+            f"make {path} a JSON object, e.g. {{}}",
+        )
+    return data
+
+
+def configured_runtimes(config: Mapping[str, Any], path: str) -> dict[str, Mapping[str, Any]]:
+    """The `runtimes` entries, by name, in file order."""
+    runtimes = config.get("runtimes", {})
+    if not isinstance(runtimes, Mapping):
+        raise ConfigError(f'{path}: "runtimes" must be an object, not {_json_kind(runtimes)}')
+    for name, entry in runtimes.items():
+        if not isinstance(entry, Mapping):
+            raise ConfigError(f"{path}: runtimes.{name} must be an object, not {_json_kind(entry)}")
+        if "path" in entry and not isinstance(entry["path"], str):
+            raise ConfigError(f"{path}: runtimes.{name}.path must be a string")
+    return dict(runtimes)
+
+
+def default_runtime(config: Mapping[str, Any], path: str) -> str:
+    value = config.get("default-runtime")
+    if value is None or value == "":
+        return BUILTIN_DEFAULT_RUNTIME
+    if not isinstance(value, str):
+        raise ConfigError(f'{path}: "default-runtime" must be a string, not {_json_kind(value)}')
+    return value
+
+
+def cdi_enabled(config: Mapping[str, Any], path: str) -> bool | None:
+    features = config.get("features")
+    if features is None:
+        return None
+    if not isinstance(features, Mapping):
+        raise ConfigError(f'{path}: "features" must be an object, not {_json_kind(features)}')
+    cdi = features.get("cdi")
+    if cdi is None:
+        return None
+    if not isinstance(cdi, bool):
+        raise ConfigError(f"{path}: features.cdi must be true or false, not {_json_kind(cdi)}")
+    return cdi
+
+
+def find_nvidia_runtime(runtimes: Mapping[str, Mapping[str, Any]], default: str) -> tuple[str, str] | None:
+    """(name, path) of the entry that runs nvidia-container-runtime, whatever it is called.
+
+    With several, the default runtime wins (so that "is nvidia the default" is answered truthfully for a
+    custom name), then the conventional name "nvidia", then the first in the file.
+    """
+    found = {
+        name: entry["path"]
+        for name, entry in runtimes.items()
+        if isinstance(entry.get("path"), str) and PurePosixPath(entry["path"]).name == NVIDIA_RUNTIME_BINARY
+    }
+    for preferred in (default, DEFAULT_NVIDIA_RUNTIME_NAME):
+        if preferred in found:
+            return preferred, found[preferred]
+    return next(iter(found.items()), None)
+
+
+def startup_problems(text: str, config: Mapping[str, Any], path: str) -> list[str]:
+    """What in the file would stop dockerd from starting (it checks these itself at start and on SIGHUP)."""
+    problems: list[str] = []
+    if not text.strip():
+        problems.append(f"{path} is empty: dockerd refuses to start with an empty daemon.json (write {{}})")
+    runtimes = configured_runtimes(config, path)
+    if BUILTIN_DEFAULT_RUNTIME in runtimes:
+        problems.append(
+            f'{path} defines a runtime named "runc": dockerd refuses to start (the name is reserved)'
+        )
+    default = default_runtime(config, path)
+    # A dotted name is a containerd shim (io.containerd.runc.v2), which dockerd accepts without an entry.
+    if default != BUILTIN_DEFAULT_RUNTIME and default not in runtimes and "." not in default:
+        problems.append(
+            f'{path}: default-runtime "{default}" is not defined under "runtimes": dockerd refuses to start'
+        )
+    return problems
+
+
+def read_state(host: Host, path: str = DAEMON_JSON) -> RuntimeConfigState:
+    text = host.read_text_if_exists(path)
+    if text is None:
+        return RuntimeConfigState(
+            runtime="docker",
+            config_path=path,
+            exists=False,
+            runtimes=(),
+            default_runtime=BUILTIN_DEFAULT_RUNTIME,
+            nvidia_runtime=None,
+            nvidia_binary=None,
+            cdi_enabled=None,
+        )
+    config = parse_daemon_json(text, path)
+    runtimes = configured_runtimes(config, path)
+    default = default_runtime(config, path)
+    nvidia = find_nvidia_runtime(runtimes, default)
+    problems = tuple(startup_problems(text, config, path))
+    return RuntimeConfigState(
+        runtime="docker",
+        config_path=path,
+        exists=bool(text.strip()),
+        runtimes=tuple(runtimes),
+        default_runtime=default,
+        nvidia_runtime=nvidia[0] if nvidia else None,
+        nvidia_binary=nvidia[1] if nvidia else None,
+        cdi_enabled=cdi_enabled(config, path),
+        files=(path,),
+        notes=problems,
+        problems=problems,
+    )
+
+
+def _json_kind(value: object) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    if value is None:
+        return "null"
+    return "an object"
