@@ -218,7 +218,9 @@ class Host:
                 f"cannot read {host_path}: permission denied", "run gpunode as root (sudo)"
             ) from exc
         except UnicodeDecodeError as exc:
-            raise ConfigError(f"{host_path} is not a UTF-8 text file ({exc.reason} at byte {exc.start})") from exc
+            raise ConfigError(
+                f"{host_path} is not a UTF-8 text file ({exc.reason} at byte {exc.start})"
+            ) from exc
 
     def read_text_if_exists(self, host_path: str) -> str | None:
         try:
@@ -355,11 +357,9 @@ def _atomic_write(target: Path, data: bytes, mode: int, uid: int | None, gid: in
             fh.flush()
             os.fchmod(fh.fileno(), stat.S_IMODE(mode))
             if uid is not None and gid is not None:
-                try:
+                # Only root may give a file away; a non-root writer already owns what it may write.
+                with contextlib.suppress(PermissionError):
                     os.fchown(fh.fileno(), uid, gid)
-                except PermissionError:
-                    # Only root may give a file away; a non-root writer already owns what it may write.
-                    pass
             os.fsync(fh.fileno())
         os.rename(tmp, target)
     except BaseException as exc:

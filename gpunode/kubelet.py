@@ -38,5 +38,5 @@ def runtime_for_endpoint(endpoint: str | None) -> str | None:
 
 
 def kubelet_runtime(host: Host) -> str | None:
-    """"containerd", "crio" or "docker" when kubelet's endpoint says so; None when unknown."""
+    """ "containerd", "crio" or "docker" when kubelet's endpoint says so; None when unknown."""
     return runtime_for_endpoint(container_runtime_endpoint(host))

@@ -31,4 +31,4 @@ def service_states(host: Host, units: Sequence[str]) -> dict[str, str | None]:
     lines = result.stdout.splitlines()
     if len(lines) != len(units):
         return unknown
-    return {unit: line.strip() or None for unit, line in zip(units, lines)}
+    return {unit: line.strip() or None for unit, line in zip(units, lines, strict=True)}

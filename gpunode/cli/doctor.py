@@ -12,12 +12,19 @@ from gpunode.errors import ExitCode
 if TYPE_CHECKING:
     from gpunode.doctor import Report
 
-_STYLE = {"ok": ("ok", "green"), "warn": ("warn", "yellow"), "fail": ("FAIL", "bold red"), "skip": ("skip", "dim")}
+_STYLE = {
+    "ok": ("ok", "green"),
+    "warn": ("warn", "yellow"),
+    "fail": ("FAIL", "bold red"),
+    "skip": ("skip", "dim"),
+}
 
 
 def doctor(
     ctx: typer.Context,
-    as_json: bool = typer.Option(False, "--json", help="Print the findings as JSON (schema gpunode.doctor/v1)."),
+    as_json: bool = typer.Option(
+        False, "--json", help="Print the findings as JSON (schema gpunode.doctor/v1)."
+    ),
 ) -> None:
     """Diagnose this node: driver, GPUs, container toolkit and runtimes, kubelet, device plugin.
 
@@ -36,6 +43,7 @@ def doctor(
 
 def render(report: Report) -> None:
     from rich.console import Console
+    from rich.padding import Padding
     from rich.table import Table
     from rich.text import Text
 
@@ -54,11 +62,11 @@ def render(report: Report) -> None:
         for f in problems:
             label, style = _STYLE[f.status.value]
             console.print(Text.assemble((f"{label} ", style), (f.id, "bold"), f": {f.summary}"))
+            # Padding keeps wrapped lines indented under their finding.
             if f.detail:
-                for line in f.detail.splitlines():
-                    console.print(Text(f"    {line}", style="dim"))
+                console.print(Padding(Text(f.detail, style="dim"), (0, 0, 0, 4)))
             if f.fix:
-                console.print(Text(f"    fix: {f.fix}"))
+                console.print(Padding(Text(f"fix: {f.fix}"), (0, 0, 0, 4)))
     counts = report.counts()
     verdict = (
         Text("node is healthy", style="green")
@@ -68,6 +76,7 @@ def render(report: Report) -> None:
     console.print()
     console.print(
         Text.assemble(
-            f"{counts['ok']} ok, {counts['warn']} warn, {counts['fail']} fail, {counts['skip']} skip: ", verdict
+            f"{counts['ok']} ok, {counts['warn']} warn, {counts['fail']} fail, {counts['skip']} skip: ",
+            verdict,
         )
     )

@@ -24,6 +24,10 @@ app = typer.Typer(
 )
 
 
+# Set only by main(host=...): lets tests run the whole CLI against a temp root and a scripted runner.
+_overrides: dict[str, Host] = {}
+
+
 @dataclass(frozen=True)
 class AppState:
     host: Host
@@ -53,12 +57,13 @@ def _root(
         False, "--version", callback=_show_version, is_eager=True, help="Print the version and exit."
     ),
 ) -> None:
-    ctx.obj = AppState(host=Host(root=root), debug=debug)
+    ctx.obj = AppState(host=_overrides.get("host") or Host(root=root), debug=debug)
 
 
 def state(ctx: typer.Context) -> AppState:
     obj = ctx.find_root().obj
-    assert isinstance(obj, AppState)  # set by _root for every command
+    if not isinstance(obj, AppState):  # _root sets it before any command runs
+        raise RuntimeError("gpunode's root callback did not run")
     return obj
 
 
@@ -77,8 +82,11 @@ def _print_error(err: GpunodeError) -> None:
         sys.stderr.write(f"  fix: {err.fix}\n")
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, host: Host | None = None) -> int:
     """Run the CLI; every outcome ends here as an exit code from ExitCode."""
+    _overrides.clear()
+    if host is not None:
+        _overrides["host"] = host
     args = sys.argv[1:] if argv is None else argv
     debug = "--debug" in args or os.environ.get("GPUNODE_DEBUG") == "1"
     try:
@@ -109,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return int(ExitCode.INTERNAL)
     return int(ExitCode.OK)
+
 
 if __name__ == "__main__":
     sys.exit(main())

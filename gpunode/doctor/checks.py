@@ -87,7 +87,8 @@ def check_os(ctx: Context) -> Iterable[Finding]:
             fix="gpunode supports: " + "; ".join(SUPPORTED_DISTRIBUTIONS.values()),
         )
     elif supported:
-        yield Finding("os.distribution", Status.OK, f"{name or dist_id} {version}".strip())
+        label = name if name and version in name else f"{name or dist_id} {version}".strip()
+        yield Finding("os.distribution", Status.OK, label)
     else:
         yield Finding(
             "os.distribution",
@@ -150,7 +151,9 @@ def check_nvml(ctx: Context) -> Iterable[Finding]:
     if isinstance(inv, NvmlError):
         yield Finding("nvml.init", Status.FAIL, "NVML cannot be used", detail=inv.message, fix=inv.fix)
         return
-    cuda = f"{inv.cuda_driver_version[0]}.{inv.cuda_driver_version[1]}" if inv.cuda_driver_version else "unknown"
+    cuda = (
+        f"{inv.cuda_driver_version[0]}.{inv.cuda_driver_version[1]}" if inv.cuda_driver_version else "unknown"
+    )
     yield Finding(
         "nvml.init",
         Status.OK,
@@ -212,12 +215,19 @@ def _gpu_finding(gpu: Gpu) -> Finding:
             f"{gpu.index}`) or reboot",
         )
     if gpu.error:
-        return Finding(fid, Status.FAIL, f"GPU {gpu.index} cannot be read", detail=gpu.error,
-                       fix="run gpunode as root, and check the permissions of /dev/nvidia*")
+        return Finding(
+            fid,
+            Status.FAIL,
+            f"GPU {gpu.index} cannot be read",
+            detail=gpu.error,
+            fix="run gpunode as root, and check the permissions of /dev/nvidia*",
+        )
     summary = f"GPU {gpu.index}: {_describe(gpu)}"
     detail_lines = [f"UUID {gpu.uuid}"]
     if gpu.pci_bus_id:
-        detail_lines.append(f"PCI {gpu.pci_bus_id}, NUMA node {gpu.numa_node if gpu.numa_node is not None else '-'}")
+        detail_lines.append(
+            f"PCI {gpu.pci_bus_id}, NUMA node {gpu.numa_node if gpu.numa_node is not None else '-'}"
+        )
     if gpu.compute_capability:
         detail_lines.append(
             f"compute capability {gpu.compute_capability[0]}.{gpu.compute_capability[1]}"
@@ -227,20 +237,45 @@ def _gpu_finding(gpu: Gpu) -> Finding:
         detail_lines.append(f"MIG {mig.profile or mig.name}: {mig.uuid}")
     problems: list[tuple[Status, str, str]] = []
     if gpu.remapped_rows_failure:
-        problems.append((Status.FAIL, "row remapping failed: the GPU memory is faulty",
-                         "drain the node and have the GPU replaced (RMA)"))
+        problems.append(
+            (
+                Status.FAIL,
+                "row remapping failed: the GPU memory is faulty",
+                "drain the node and have the GPU replaced (RMA)",
+            )
+        )
     if gpu.ecc_uncorrected_volatile:
-        problems.append((Status.WARN, f"{gpu.ecc_uncorrected_volatile} uncorrectable ECC errors since the last "
-                         "driver load", "drain the node and reset the GPU; if errors recur, replace it"))
+        problems.append(
+            (
+                Status.WARN,
+                f"{gpu.ecc_uncorrected_volatile} uncorrectable ECC errors since the last driver load",
+                "drain the node and reset the GPU; if errors recur, replace it",
+            )
+        )
     if gpu.retired_pages_pending or gpu.remapped_rows_pending:
-        problems.append((Status.WARN, "memory page retirement / row remapping is pending",
-                         f"drain the node, then reset the GPU (`nvidia-smi -r -i {gpu.index}`) or reboot"))
+        problems.append(
+            (
+                Status.WARN,
+                "memory page retirement / row remapping is pending",
+                f"drain the node, then reset the GPU (`nvidia-smi -r -i {gpu.index}`) or reboot",
+            )
+        )
     if gpu.mig_mode is not None and gpu.mig_mode.current != gpu.mig_mode.pending:
-        problems.append((Status.WARN, f"MIG mode change to {'on' if gpu.mig_mode.pending else 'off'} is pending",
-                         f"reset the GPU (`nvidia-smi -r -i {gpu.index}`) or reboot to apply it"))
+        problems.append(
+            (
+                Status.WARN,
+                f"MIG mode change to {'on' if gpu.mig_mode.pending else 'off'} is pending",
+                f"reset the GPU (`nvidia-smi -r -i {gpu.index}`) or reboot to apply it",
+            )
+        )
     if gpu.mig_mode is not None and gpu.mig_mode.current and not gpu.mig_devices:
-        problems.append((Status.WARN, "MIG is on but no MIG devices exist, so no workload can use this GPU",
-                         f"create instances, e.g. `nvidia-smi mig -i {gpu.index} -cgi 1g.10gb -C`"))
+        problems.append(
+            (
+                Status.WARN,
+                "MIG is on but no MIG devices exist, so no workload can use this GPU",
+                f"create instances, e.g. `nvidia-smi mig -i {gpu.index} -cgi 1g.10gb -C`",
+            )
+        )
     if not problems:
         return Finding(fid, Status.OK, summary, detail="\n".join(detail_lines))
     worst = Status.FAIL if any(s is Status.FAIL for s, _, _ in problems) else Status.WARN
@@ -272,7 +307,13 @@ def check_device_nodes(ctx: Context) -> Iterable[Finding]:
             fix="`nvidia-modprobe -u -c=0` (creates the nodes; part of the driver), or `modprobe nvidia-uvm`",
         )
     else:
-        yield Finding("devices.nodes", Status.OK, f"device nodes present ({', '.join(wanted)})")
+        gpu_nodes = len(wanted) - 2
+        yield Finding(
+            "devices.nodes",
+            Status.OK,
+            f"/dev/nvidiactl, /dev/nvidia-uvm and {gpu_nodes} GPU node{'s' * (gpu_nodes != 1)} present",
+            detail=", ".join(wanted),
+        )
 
 
 # -- nvidia-container-toolkit -------------------------------------------------------------------
@@ -343,56 +384,76 @@ def check_runtimes(ctx: Context) -> Iterable[Finding]:
             "Kubernetes uses by default",
         )
         return
-    for name, binary, unit in RUNTIMES:
+    for name, _binary, unit in RUNTIMES:
         if (name, unit) not in installed:
             yield Finding(f"runtime.{name}", Status.SKIP, f"{name} is not installed")
             continue
         essential = name == kubelet_uses or len(installed) == 1
-        yield _runtime_finding(ctx, name, unit, essential)
+        yield _runtime_finding(ctx, name, unit, essential, name == kubelet_uses)
 
 
-def _runtime_finding(ctx: Context, name: str, unit: str, essential: bool) -> Finding:
+def _runtime_finding(ctx: Context, name: str, unit: str, essential: bool, kubelets: bool) -> Finding:
     fid = f"runtime.{name}"
     state_word = ctx.service(unit)
     running = "" if state_word is None else f", service {state_word}"
     try:
         state = read_runtime_state(ctx.host, name)
     except GpunodeError as exc:
-        return Finding(fid, Status.FAIL, f"{name}: its configuration cannot be read", detail=exc.message,
-                       fix=exc.fix or "fix the file (the message says where), then run doctor again")
-    detail_lines = [f"config: {', '.join(state.files) or state.config_path}"
-                    + ("" if state.exists else " (absent: built-in defaults)")]
-    detail_lines.append(f"runtimes: {', '.join(state.runtimes) or '(none defined)'}; "
-                        f"default: {state.default_runtime or '-'}")
+        return Finding(
+            fid,
+            Status.FAIL,
+            f"{name}: its configuration cannot be read",
+            detail=exc.message,
+            fix=exc.fix or "fix the file (the message says where), then run doctor again",
+        )
+    detail_lines = [
+        f"config: {', '.join(state.files) or state.config_path}"
+        + ("" if state.exists else " (absent: built-in defaults)")
+    ]
+    detail_lines.append(
+        f"runtimes: {', '.join(state.runtimes) or '(none defined)'}; default: {state.default_runtime or '-'}"
+    )
     detail_lines += list(state.notes)
     detail = "\n".join(detail_lines)
     configure = _configure_fix(name)
+    bad = Status.FAIL if essential else Status.WARN
+    if state.problems:
+        return Finding(
+            fid,
+            bad,
+            f"{name}{running}: {state.problems[0]}",
+            detail=detail,
+            fix="correct the configuration as described"
+            + (f", then `systemctl restart {unit}`" if state.exists else ""),
+        )
     if state.nvidia_runtime is None:
         return Finding(
             fid,
-            Status.FAIL if essential else Status.WARN,
+            bad,
             f"{name}{running}: no nvidia runtime configured"
-            + (" (kubelet uses this runtime)" if essential else ""),
+            + (" (kubelet uses this runtime)" if kubelets else ""),
             detail=detail,
             fix=configure,
         )
-    status = Status.OK
-    summary = f"{name}{running}: nvidia runtime '{state.nvidia_runtime}' configured"
-    fix = None
-    if state.nvidia_is_default:
-        summary += " and is the default"
-    else:
-        status = Status.WARN
-        summary += f", but the default is '{state.default_runtime}'"
-        fix = (f"make it the default ({configure}, adding --set-as-default), or give GPU pods "
-               f"`runtimeClassName: {state.nvidia_runtime}`")
     if state_word is not None and state_word != "active":
-        status = Status.FAIL if essential else Status.WARN
-        fix = f"`systemctl restart {unit}` and check `journalctl -u {unit}`"
-    if any("SystemdCgroup" in n for n in state.notes):
-        status = Status.FAIL if essential else Status.WARN
-        fix = "set `SystemdCgroup = true` in the nvidia runtime's options (copy the default runtime's options)"
-    return Finding(fid, status, summary, detail=detail, fix=fix)
+        return Finding(
+            fid,
+            bad,
+            f"{name}: nvidia runtime '{state.nvidia_runtime}' configured, but the service is {state_word}",
+            detail=detail,
+            fix=f"`systemctl restart {unit}` and read `journalctl -u {unit} -n 50`",
+        )
+    summary = f"{name}{running}: nvidia runtime '{state.nvidia_runtime}' configured"
+    if state.nvidia_is_default:
+        return Finding(fid, Status.OK, summary + " and is the default", detail=detail)
+    return Finding(
+        fid,
+        Status.WARN,
+        summary + f", but the default is '{state.default_runtime}'",
+        detail=detail + "\nPods get a GPU only when they ask for the nvidia runtime class.",
+        fix=f"make it the default ({configure}, adding --set-as-default), or give GPU pods "
+        f"`runtimeClassName: {state.nvidia_runtime}`",
+    )
 
 
 def _configure_fix(name: str) -> str:
@@ -415,12 +476,18 @@ def check_kubelet(ctx: Context) -> Iterable[Finding]:
         return
     state = ctx.service(KUBELET_UNIT)
     if state not in (None, "active"):
-        yield Finding("kubelet", Status.FAIL, f"kubelet service is {state}",
-                      fix="`systemctl restart kubelet` and read `journalctl -u kubelet -n 50`")
+        yield Finding(
+            "kubelet",
+            Status.FAIL,
+            f"kubelet service is {state}",
+            fix="`systemctl restart kubelet` and read `journalctl -u kubelet -n 50`",
+        )
     else:
         yield Finding("kubelet", Status.OK, "kubelet is running" if state else "kubelet is installed")
     if host.is_socket(paths.KUBELET_SOCKET):
-        yield Finding("kubelet.socket", Status.OK, f"device plugin registration socket {paths.KUBELET_SOCKET}")
+        yield Finding(
+            "kubelet.socket", Status.OK, f"device plugin registration socket {paths.KUBELET_SOCKET}"
+        )
     else:
         yield Finding(
             "kubelet.socket",
@@ -443,13 +510,23 @@ def check_plugin(ctx: Context) -> Iterable[Finding]:
     if state == "active" and ours:
         yield Finding("plugin", Status.OK, f"gpunode device plugin running ({paths.PLUGIN_SOCKET})")
     elif state == "active":
-        yield Finding("plugin", Status.FAIL, f"{paths.PLUGIN_SERVICE} is active but its socket is missing",
-                      fix=f"`journalctl -u {paths.PLUGIN_SERVICE}`; `systemctl restart {paths.PLUGIN_SERVICE}`")
+        yield Finding(
+            "plugin",
+            Status.FAIL,
+            f"{paths.PLUGIN_SERVICE} is active but its socket is missing",
+            fix=f"`journalctl -u {paths.PLUGIN_SERVICE}`; `systemctl restart {paths.PLUGIN_SERVICE}`",
+        )
     elif state in ("failed", "activating"):
-        yield Finding("plugin", Status.FAIL, f"{paths.PLUGIN_SERVICE} is {state}",
-                      fix=f"`journalctl -u {paths.PLUGIN_SERVICE} -n 50`")
+        yield Finding(
+            "plugin",
+            Status.FAIL,
+            f"{paths.PLUGIN_SERVICE} is {state}",
+            fix=f"`journalctl -u {paths.PLUGIN_SERVICE} -n 50`",
+        )
     elif nvidia:
-        yield Finding("plugin", Status.OK, f"NVIDIA's device plugin is serving ({paths.NVIDIA_PLUGIN_SOCKET})")
+        yield Finding(
+            "plugin", Status.OK, f"NVIDIA's device plugin is serving ({paths.NVIDIA_PLUGIN_SOCKET})"
+        )
     elif ours:
         yield Finding("plugin", Status.OK, f"a gpunode device plugin is serving ({paths.PLUGIN_SOCKET})")
     else:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any, TypeVar
 
 from gpunode.errors import DriverNotLoaded, GpuLost, NvmlError, NvmlLibraryNotFound, NvmlNoPermission
@@ -107,10 +107,9 @@ def nvml_session() -> Iterator[Any]:
         try:
             yield pynvml
         finally:
-            try:
+            # A failed shutdown changes nothing for the caller.
+            with suppress(pynvml.NVMLError):
                 pynvml.nvmlShutdown()
-            except pynvml.NVMLError:
-                pass  # a failed shutdown changes nothing for the caller
 
 
 def discover(host: Host | None = None) -> Inventory:
@@ -191,15 +190,15 @@ class _Reader:
             code = getattr(exc, "value", None)
             if code == GPU_IS_LOST:
                 return Gpu(index=index, uuid=None, lost=True), None
-            return Gpu(index=index, uuid=None, error=str(translate_nvml_error(exc, f"GPU {index}").message)), None
+            return Gpu(
+                index=index, uuid=None, error=str(translate_nvml_error(exc, f"GPU {index}").message)
+            ), None
         try:
             return self._read_gpu(index, handle), handle
         except _Lost:
             uuid = None
-            try:
+            with suppress(nvml.NVMLError):
                 uuid = _text(nvml.nvmlDeviceGetUUID(handle))
-            except nvml.NVMLError:
-                pass
             return Gpu(index=index, uuid=uuid, lost=True), None
 
     def _read_gpu(self, index: int, handle: Any) -> Gpu:
@@ -254,8 +253,8 @@ class _Reader:
         if bus_id:
             raw = self.host.read_text_if_exists(f"/sys/bus/pci/devices/{sysfs_pci_address(bus_id)}/numa_node")
             if raw is not None and raw.strip().lstrip("-").isdigit():
-                node = int(raw.strip())
-                return node if node >= 0 else None
+                sysfs_node = int(raw.strip())
+                return sysfs_node if sysfs_node >= 0 else None
         node = self.soft(f"{label} NUMA node", self.nvml.nvmlDeviceGetNumaNodeId, handle)
         return None if node is None or int(node) < 0 else int(node)
 
@@ -355,7 +354,9 @@ class _Reader:
                 return  # past the last link this GPU has, or no NVLink at all
             if not active:
                 continue
-            pci = self.soft(f"GPU {index} NVLink {link} peer", nvml.nvmlDeviceGetNvLinkRemotePciInfo, handle, link)
+            pci = self.soft(
+                f"GPU {index} NVLink {link} peer", nvml.nvmlDeviceGetNvLinkRemotePciInfo, handle, link
+            )
             if pci is None:
                 continue
             remote = (_text(pci.busId) or "").lower()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from gpunode.errors import CommandFailed, ConfigError, NotFound
-from gpunode.host import BACKUP_SUFFIX, CommandResult, Host, ScriptedRunner, SubprocessRunner
+from gpunode.host import BACKUP_SUFFIX, Host, ScriptedRunner, SubprocessRunner
 
 
 def test_paths_are_mapped_under_the_root(tmp_path: Path) -> None:
@@ -22,7 +22,7 @@ def test_paths_are_mapped_under_the_root(tmp_path: Path) -> None:
 
 def test_read_errors_name_the_file(tmp_path: Path) -> None:
     host = Host(root=tmp_path)
-    with pytest.raises(NotFound, match="/etc/missing.conf does not exist"):
+    with pytest.raises(NotFound, match=r"/etc/missing\.conf does not exist"):
         host.read_text("/etc/missing.conf")
     (tmp_path / "etc").mkdir()
     with pytest.raises(ConfigError, match="/etc is a directory"):
@@ -104,7 +104,9 @@ def test_write_refuses_directories_and_missing_parents(tmp_path: Path) -> None:
         host.write_file("/nope/file", "x")
 
 
-def test_failed_write_leaves_the_original_and_no_temp_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_failed_write_leaves_the_original_and_no_temp_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     host = Host(root=tmp_path)
     target = tmp_path / "f.conf"
     target.write_text("keep me\n")
@@ -150,7 +152,7 @@ def test_subprocess_runner_uses_argument_lists_and_reports_failures() -> None:
         failed.check()
     with pytest.raises(CommandFailed, match="is not installed"):
         runner.run(["/nonexistent/gpunode-test-program"], timeout=5)
-    with pytest.raises(CommandFailed, match="did not finish within 0.2 s"):
+    with pytest.raises(CommandFailed, match=r"did not finish within 0\.2 s"):
         runner.run(["sleep", "5"], timeout=0.2)
 
 

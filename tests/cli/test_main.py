@@ -1,0 +1,69 @@
+"""The one place errors become exit codes and messages."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpunode.cli import main as cli_main
+from gpunode.errors import ExitCode, PermissionDenied
+from gpunode.host import Host
+
+
+def _raise(exc: BaseException) -> None:
+    raise exc
+
+
+def test_gpunode_error_prints_message_and_fix_without_traceback(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: object
+) -> None:
+    import gpunode.doctor
+
+    monkeypatch.setattr(
+        gpunode.doctor,
+        "run_doctor",
+        lambda host: _raise(PermissionDenied("cannot read /etc/x", "run as root")),
+    )
+    code = cli_main.main(["doctor"], host=Host())
+    err = capsys.readouterr().err
+    assert code == ExitCode.PERMISSION
+    assert err == "gpunode: error: cannot read /etc/x\n  fix: run as root\n"
+
+
+def test_debug_adds_the_traceback(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import gpunode.doctor
+
+    monkeypatch.setattr(gpunode.doctor, "run_doctor", lambda host: _raise(PermissionDenied("nope", "sudo")))
+    code = cli_main.main(["--debug", "doctor"], host=Host())
+    err = capsys.readouterr().err
+    assert code == ExitCode.PERMISSION
+    assert "Traceback" in err and "gpunode: error: nope" in err
+
+
+def test_a_bug_is_an_internal_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import gpunode.doctor
+
+    monkeypatch.setattr(gpunode.doctor, "run_doctor", lambda host: _raise(KeyError("oops")))
+    code = cli_main.main(["doctor"], host=Host())
+    err = capsys.readouterr().err
+    assert code == ExitCode.INTERNAL
+    assert "internal error: KeyError" in err and "--debug" in err and "Traceback" not in err
+
+
+def test_ctrl_c(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import gpunode.doctor
+
+    monkeypatch.setattr(gpunode.doctor, "run_doctor", lambda host: _raise(KeyboardInterrupt()))
+    assert cli_main.main(["doctor"], host=Host()) == ExitCode.INTERRUPTED
+
+
+def test_documented_values() -> None:
+    assert (int(ExitCode.PERMISSION), int(ExitCode.INTERNAL), int(ExitCode.INTERRUPTED)) == (5, 70, 130)
+
+
+def test_exit_codes_are_distinct() -> None:
+    values = [int(c) for c in ExitCode]
+    assert len(values) == len(set(values))

@@ -1,0 +1,81 @@
+"""install.sh for real: into a temp prefix, twice (idempotent), then uninstalled; and its refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+INSTALL = REPO / "install.sh"
+
+
+def run(*args: str, timeout: float = 600, user: int | None = None) -> subprocess.CompletedProcess[str]:
+    argv = ["bash", str(INSTALL), *args]
+    if user is not None:
+        argv = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *argv]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False, cwd="/")
+
+
+def test_install_reinstall_and_uninstall(tmp_path: Path) -> None:
+    prefix, bindir = tmp_path / "opt/gpunode", tmp_path / "bin"
+    first = run("--prefix", str(prefix), "--bin-dir", str(bindir))
+    assert first.returncode == 0, first.stderr + first.stdout
+    assert "creating a virtualenv" in first.stdout
+    link = bindir / "gpunode"
+    assert link.is_symlink() and os.readlink(link) == str(prefix / "bin/gpunode")
+
+    version = subprocess.run([str(link), "--version"], capture_output=True, text=True, check=True, timeout=60)
+    assert version.stdout.startswith("gpunode ")
+    doctor = subprocess.run(
+        [str(link), "doctor", "--json"], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert doctor.returncode in (0, 1), doctor.stderr
+    assert json.loads(doctor.stdout)["schema"] == "gpunode.doctor/v1"
+
+    second = run("--prefix", str(prefix), "--bin-dir", str(bindir))
+    assert second.returncode == 0, second.stderr
+    assert "reusing the virtualenv" in second.stdout
+
+    gone = run("--uninstall", "--prefix", str(prefix), "--bin-dir", str(bindir))
+    assert gone.returncode == 0, gone.stderr
+    assert not link.exists() and not link.is_symlink() and not prefix.exists()
+
+
+def test_refuses_to_replace_a_foreign_command(tmp_path: Path) -> None:
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "gpunode").write_text("#!/bin/sh\necho someone else's\n")
+    proc = run("--prefix", str(tmp_path / "venv"), "--bin-dir", str(bindir))
+    assert proc.returncode == 1
+    assert "exists and is not a link made by install.sh" in proc.stderr
+    assert (bindir / "gpunode").read_text().startswith("#!/bin/sh")
+
+
+def test_not_root_gets_a_clear_message(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.fail("this test switches to another user and needs root, as CI runs")
+    proc = run("--prefix", "/opt/gpunode-test-not-root", user=65534)
+    assert proc.returncode == 1
+    assert "install.sh: error: installing /opt/gpunode-test-not-root needs root" in proc.stderr
+    assert "sudo ./install.sh" in proc.stderr
+    assert not Path("/opt/gpunode-test-not-root").exists()
+
+
+def test_too_old_python(tmp_path: Path) -> None:
+    old = tmp_path / "python3.8"
+    old.write_text('#!/bin/sh\ncase "$2" in *print*) echo 3.8 ;; *) exit 1 ;; esac\n')
+    old.chmod(0o755)
+    proc = run("--python", str(old), "--prefix", str(tmp_path / "venv"), "--no-link")
+    assert proc.returncode == 1
+    assert f"gpunode needs Python >= 3.10, but {old} is 3.8" in proc.stderr
+    assert "fix:" in proc.stderr
+    assert not (tmp_path / "venv").exists()
+
+
+def test_unknown_option() -> None:
+    proc = run("--frobnicate")
+    assert proc.returncode == 1 and "unknown option: --frobnicate" in proc.stderr
