@@ -372,9 +372,11 @@ def read_runtime_state(host: Host, runtime: str) -> RuntimeConfigState:
 def check_runtimes(ctx: Context) -> Iterable[Finding]:
     host = ctx.host
     kubelet_uses = kubelet_runtime(host)
-    if kubelet_uses is None and host.which("kubelet"):
+    if kubelet_uses is None and kubelet_present(host):
         kubelet_uses = "containerd"  # kubelet's built-in default endpoint since Kubernetes 1.27
     installed = [(name, unit) for name, binary, unit in RUNTIMES if host.which(binary)]
+    if "containerd" not in [n for n, _ in installed] and _embedded_containerd(host):
+        installed.insert(0, ("containerd", "containerd.service"))
     if not installed:
         yield Finding(
             "runtime",
@@ -394,7 +396,8 @@ def check_runtimes(ctx: Context) -> Iterable[Finding]:
 
 def _runtime_finding(ctx: Context, name: str, unit: str, essential: bool, kubelets: bool) -> Finding:
     fid = f"runtime.{name}"
-    state_word = ctx.service(unit)
+    # k3s, RKE2 and microk8s run their own containerd inside their own service.
+    state_word = None if name == "containerd" and _embedded_containerd(ctx.host) else ctx.service(unit)
     running = "" if state_word is None else f", service {state_word}"
     try:
         state = read_runtime_state(ctx.host, name)
@@ -456,6 +459,17 @@ def _runtime_finding(ctx: Context, name: str, unit: str, essential: bool, kubele
     )
 
 
+def _embedded_containerd(host: Host) -> bool:
+    from gpunode.runtimes.containerd import detect_location
+
+    return detect_location(host).flavour != "containerd"
+
+
+def kubelet_present(host: Host) -> bool:
+    """kubelet as a program, or embedded in k3s / RKE2 (which keep the usual /var/lib/kubelet)."""
+    return any(host.which(p) for p in ("kubelet", "k3s", "rke2"))
+
+
 def _configure_fix(name: str) -> str:
     unit = {"docker": "docker", "containerd": "containerd", "crio": "crio"}[name]
     return f"`nvidia-ctk runtime configure --runtime={name}` then `systemctl restart {unit}`"
@@ -466,7 +480,7 @@ def _configure_fix(name: str) -> str:
 
 def check_kubelet(ctx: Context) -> Iterable[Finding]:
     host = ctx.host
-    if host.which("kubelet") is None:
+    if not kubelet_present(host):
         yield Finding(
             "kubelet",
             Status.WARN,
@@ -474,7 +488,8 @@ def check_kubelet(ctx: Context) -> Iterable[Finding]:
             fix="join the node to a cluster (kubeadm join, k3s agent, ...); GPU checks above still apply",
         )
         return
-    state = ctx.service(KUBELET_UNIT)
+    embedded = host.which("kubelet") is None  # inside k3s / RKE2: no kubelet.service of its own
+    state = None if embedded else ctx.service(KUBELET_UNIT)
     if state not in (None, "active"):
         yield Finding(
             "kubelet",
@@ -483,7 +498,8 @@ def check_kubelet(ctx: Context) -> Iterable[Finding]:
             fix="`systemctl restart kubelet` and read `journalctl -u kubelet -n 50`",
         )
     else:
-        yield Finding("kubelet", Status.OK, "kubelet is running" if state else "kubelet is installed")
+        summary = "kubelet is running" if state else "kubelet is installed"
+        yield Finding("kubelet", Status.OK, "kubelet is embedded in k3s / RKE2" if embedded else summary)
     if host.is_socket(paths.KUBELET_SOCKET):
         yield Finding(
             "kubelet.socket", Status.OK, f"device plugin registration socket {paths.KUBELET_SOCKET}"
@@ -501,7 +517,7 @@ def check_kubelet(ctx: Context) -> Iterable[Finding]:
 
 def check_plugin(ctx: Context) -> Iterable[Finding]:
     host = ctx.host
-    if host.which("kubelet") is None:
+    if not kubelet_present(host):
         yield Finding("plugin", Status.SKIP, "device plugin not checked: no kubelet")
         return
     state = ctx.service(paths.PLUGIN_SERVICE)

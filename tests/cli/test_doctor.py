@@ -323,3 +323,31 @@ def test_help_and_version() -> None:
     assert proc.returncode == 0 and "doctor" in proc.stdout
     proc = run_cli("--version")
     assert proc.returncode == 0 and proc.stdout.startswith("gpunode ")
+
+
+def test_k3s_node_with_embedded_containerd_and_kubelet(
+    node: Node, fake_nvml: Callable[..., None], capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake_nvml("pcie-4")
+    node.remove("/usr/bin/containerd")
+    node.remove("/usr/bin/kubelet")
+    node.remove("/etc/containerd")
+    node.program("k3s")
+    node.services.update({"containerd.service": "inactive", "kubelet.service": "inactive"})
+    k3s = "/var/lib/rancher/k3s/agent/etc/containerd"
+    node.file(
+        f"{k3s}/config.toml", (Path(__file__).parents[1] / "fixtures/containerd/k3s-config.toml").read_text()
+    )
+    code, report = doctor_json(node, capsys)
+    checks = by_id(report)
+    # k3s has no containerd.service or kubelet.service: their "inactive" must not count as down.
+    assert (
+        checks["kubelet"]["status"] == "ok"
+        and checks["kubelet"]["summary"] == "kubelet is embedded in k3s / RKE2"
+    )
+    containerd = checks["runtime.containerd"]
+    assert "service" not in containerd["summary"]
+    assert f"{k3s}/config.toml" in containerd["detail"] and "k3s regenerates" in containerd["detail"]
+    # k3s finds the nvidia runtime by itself but keeps runc as the default.
+    assert containerd["status"] == "warn" and "but the default is 'runc'" in containerd["summary"]
+    assert code == ExitCode.OK
