@@ -25,6 +25,7 @@ from gpunode.errors import CommandFailed, ConfigError, NotFound, PermissionDenie
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 DEFAULT_TIMEOUT = 10.0
 BACKUP_SUFFIX = ".gpunode-bak"
+MAX_READ = 8 * 2**20  # far above any configuration file gpunode reads
 
 
 @dataclass(frozen=True)
@@ -162,61 +163,117 @@ class Host:
     def euid(self) -> int:
         return os.geteuid() if self._euid is None else self._euid
 
-    def path(self, host_path: str | os.PathLike[str]) -> Path:
-        """The local path of `host_path` (an absolute path on the host) under this Host's root."""
+    def path(self, host_path: str | os.PathLike[str], *, follow_last: bool = True) -> Path:
+        """The local path of `host_path` (an absolute path on the host) under this Host's root.
+
+        Under a root other than /, symlinks are resolved the way the host would see them (absolute
+        targets are host paths), so nothing read or written ever escapes the root.
+        """
         p = PurePosixPath(host_path)
         if not p.is_absolute():
             raise ValueError(f"host paths are absolute, got {host_path!r}")
-        return self.root.joinpath(*p.parts[1:])
+        if self.is_real_root:
+            return Path(p)
+        return self.root.joinpath(*self._resolve_parts(p, follow_last))
+
+    def _resolve_parts(self, p: PurePosixPath, follow_last: bool) -> list[str]:
+        resolved: list[str] = []
+        pending = list(p.parts[1:])
+        hops = 0
+        while pending:
+            part = pending.pop(0)
+            if part in ("", "."):
+                continue
+            if part == "..":
+                if resolved:
+                    resolved.pop()
+                continue
+            local = self.root.joinpath(*resolved, part)
+            if (pending or follow_last) and local.is_symlink():
+                hops += 1
+                if hops > 40:  # the kernel's own limit
+                    raise ConfigError(f"{p}: too many levels of symbolic links")
+                target = PurePosixPath(os.readlink(local))
+                if target.is_absolute():
+                    resolved = []
+                pending = [*target.parts[1 if target.is_absolute() else 0 :], *pending]
+                continue
+            resolved.append(part)
+        return resolved
 
     # -- reading -------------------------------------------------------------------------------
+    # The predicates answer False for whatever cannot be looked at (permission, link loops): a
+    # diagnosis must go on. The reads below say precisely what is wrong.
+
+    def _stat(self, host_path: str, *, follow: bool = True) -> os.stat_result | None:
+        try:
+            local = self.path(host_path, follow_last=follow)
+            return local.stat() if follow else local.lstat()
+        except (OSError, ConfigError):
+            return None
 
     def exists(self, host_path: str) -> bool:
-        return self.path(host_path).exists()
+        return self._stat(host_path) is not None
 
     def is_dir(self, host_path: str) -> bool:
-        return self.path(host_path).is_dir()
+        st = self._stat(host_path)
+        return st is not None and stat.S_ISDIR(st.st_mode)
 
     def is_file(self, host_path: str) -> bool:
-        return self.path(host_path).is_file()
+        st = self._stat(host_path)
+        return st is not None and stat.S_ISREG(st.st_mode)
+
+    def is_symlink(self, host_path: str) -> bool:
+        st = self._stat(host_path, follow=False)
+        return st is not None and stat.S_ISLNK(st.st_mode)
 
     def is_socket(self, host_path: str) -> bool:
-        try:
-            return stat.S_ISSOCK(self.path(host_path).stat().st_mode)
-        except OSError:
-            return False
+        st = self._stat(host_path)
+        return st is not None and stat.S_ISSOCK(st.st_mode)
 
     def is_char_device(self, host_path: str) -> bool:
-        try:
-            return stat.S_ISCHR(self.path(host_path).stat().st_mode)
-        except OSError:
-            return False
+        st = self._stat(host_path)
+        return st is not None and stat.S_ISCHR(st.st_mode)
 
     def listdir(self, host_path: str) -> list[str]:
+        """Names in a directory, sorted; [] when it does not exist or is not a directory."""
         try:
             return sorted(os.listdir(self.path(host_path)))
-        except FileNotFoundError:
-            return []
-        except NotADirectoryError:
+        except (FileNotFoundError, NotADirectoryError):
             return []
         except PermissionError as exc:
             raise PermissionDenied(
                 f"cannot list {host_path}: permission denied", "run gpunode as root (sudo)"
             ) from exc
+        except OSError as exc:
+            raise ConfigError(f"cannot list {host_path}: {exc.strerror or exc}") from exc
 
     def read_text(self, host_path: str) -> str:
-        """Read a text file; missing, unreadable, directory or not UTF-8 each raise a clear error."""
+        """Read a text file. Missing, unreadable, not a regular file, too large, or not UTF-8: each
+        raises a clear error naming the file."""
         local = self.path(host_path)
         try:
-            return local.read_text(encoding="utf-8")
+            # O_NONBLOCK: opening a FIFO must not wait for a writer; it is refused just below.
+            fd = os.open(local, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError as exc:
             raise NotFound(f"{host_path} does not exist") from exc
-        except IsADirectoryError as exc:
-            raise ConfigError(f"{host_path} is a directory, not a file", "pass the path of the file") from exc
         except PermissionError as exc:
             raise PermissionDenied(
                 f"cannot read {host_path}: permission denied", "run gpunode as root (sudo)"
             ) from exc
+        except OSError as exc:
+            raise ConfigError(f"cannot read {host_path}: {exc.strerror or exc}") from exc
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):  # directories, FIFOs, devices; /proc and /sys files are regular
+            os.close(fd)
+            what = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+            raise ConfigError(f"{host_path} is {what} where a file was expected")
+        with os.fdopen(fd, "rb") as fh:
+            data = fh.read(MAX_READ + 1)
+        if len(data) > MAX_READ:
+            raise ConfigError(f"{host_path} is larger than {MAX_READ // 2**20} MiB; refusing to parse it")
+        try:
+            return data.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise ConfigError(
                 f"{host_path} is not a UTF-8 text file ({exc.reason} at byte {exc.start})"
@@ -254,19 +311,6 @@ class Host:
 
     # -- writing -------------------------------------------------------------------------------
 
-    def resolve(self, host_path: str) -> str:
-        """Follow symlinks the way the host would, staying under the root (absolute link targets are
-        host paths, so they are re-rooted rather than followed on this machine)."""
-        current = PurePosixPath(host_path)
-        for _ in range(40):  # the kernel's own limit on symlink hops
-            local = self.path(str(current))
-            if not local.is_symlink():
-                return str(current)
-            target = PurePosixPath(os.readlink(local))
-            current = target if target.is_absolute() else current.parent / target
-            current = PurePosixPath(os.path.normpath(str(current)))
-        raise ConfigError(f"{host_path}: too many levels of symbolic links")
-
     def write_file(self, host_path: str, content: str | bytes, *, mode: int = 0o644) -> WriteOutcome:
         """Replace a file atomically, keeping a backup of the original.
 
@@ -277,15 +321,13 @@ class Host:
         later changes never overwrite that backup, so it is always the file as it was before gpunode.
         """
         data = content.encode("utf-8") if isinstance(content, str) else content
-        target_host = self.resolve(host_path)
-        target = self.path(target_host)
+        target = self.path(host_path)  # every symlink on the way resolved, never leaving the root
         directory = target.parent
         if target.is_dir():
-            raise ConfigError(f"{host_path} is a directory, not a file", "pass the path of the file")
+            raise ConfigError(f"{host_path} is a directory where a file was expected")
         if not directory.is_dir():
-            raise NotFound(
-                f"cannot write {host_path}: directory {target_host.rsplit('/', 1)[0] or '/'} does not exist"
-            )
+            parent = str(PurePosixPath(host_path).parent)
+            raise NotFound(f"cannot write {host_path}: directory {parent} does not exist")
         with _locked_directory(directory, host_path):
             try:
                 old = target.read_bytes()

@@ -22,11 +22,12 @@ _RUNTIME_BY_SOCKET = {
 def container_runtime_endpoint(host: Host) -> str | None:
     """kubelet's --container-runtime-endpoint (flags win over the config file, as in kubelet)."""
     for path in (KUBEADM_FLAGS, *KUBELET_DEFAULTS):
-        text = host.read_text_if_exists(path)
-        if text and (m := _FLAG.search(text)):
-            return m.group(1)
-    text = host.read_text_if_exists(KUBELET_CONFIG)
-    if text and (m := _CONFIG_KEY.search(text)):
+        text = host.read_text_if_exists(path) or ""
+        for line in text.splitlines():
+            if not line.lstrip().startswith("#") and (m := _FLAG.search(line)):
+                return m.group(1)
+    config = host.read_text_if_exists(KUBELET_CONFIG)
+    if config and (m := _CONFIG_KEY.search(config)):
         return m.group(1)
     return None
 

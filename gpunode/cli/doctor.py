@@ -33,7 +33,8 @@ def doctor(
     from gpunode.cli.main import state
     from gpunode.doctor import run_doctor
 
-    report = run_doctor(state(ctx).host)
+    app_state = state(ctx)
+    report = run_doctor(app_state.host, raise_bugs=app_state.debug)
     if as_json:
         typer.echo(json.dumps(report.to_json(), indent=2))
     else:

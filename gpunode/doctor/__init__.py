@@ -9,9 +9,31 @@ from gpunode.errors import GpunodeError
 from gpunode.host import Host
 from gpunode.nvml.model import Inventory
 
+# The id of the finding that stands for a check that could not finish.
+FAILED_CHECK_IDS = {
+    "check_os": "os.error",
+    "check_driver": "driver.error",
+    "check_nvml": "nvml.error",
+    "check_gpus": "gpu.error",
+    "check_device_nodes": "devices.error",
+    "check_toolkit": "toolkit.error",
+    "check_runtimes": "runtime.error",
+    "check_kubelet": "kubelet.error",
+    "check_plugin": "plugin.error",
+}
 
-def run_doctor(host: Host | None = None, discover: Callable[[Host], Inventory] | None = None) -> Report:
-    """Run every check against `host` and return the findings in a fixed order."""
+
+def run_doctor(
+    host: Host | None = None,
+    discover: Callable[[Host], Inventory] | None = None,
+    *,
+    raise_bugs: bool = False,
+) -> Report:
+    """Run every check against `host` and return the findings in a fixed order.
+
+    A check that cannot finish becomes a failed finding and the others still run: a partial diagnosis
+    beats none. With `raise_bugs` (the CLI's --debug) an unexpected exception propagates instead.
+    """
     from gpunode.doctor.checks import ALL_CHECKS, Context
 
     if discover is None:
@@ -21,12 +43,25 @@ def run_doctor(host: Host | None = None, discover: Callable[[Host], Inventory] |
     ctx = Context(host=host or Host(), discover=discover)
     findings: list[Finding] = []
     for check in ALL_CHECKS:
+        fid = FAILED_CHECK_IDS[check.__name__]
+        area = fid.removesuffix(".error")
         try:
-            findings.extend(check(ctx))
+            findings.extend(check(ctx))  # findings yielded before a failure are kept
         except GpunodeError as exc:
-            # A check that cannot finish is a finding too; the other checks still run.
-            name = check.__name__.removeprefix("check_")
-            findings.append(Finding(name, Status.FAIL, f"{name} could not be checked", exc.message, exc.fix))
+            fix = exc.fix or "correct what the detail names, then run `gpunode doctor` again"
+            findings.append(Finding(fid, Status.FAIL, f"{area}: could not finish checking", exc.message, fix))
+        except Exception as exc:
+            if raise_bugs:
+                raise
+            findings.append(
+                Finding(
+                    fid,
+                    Status.FAIL,
+                    f"{area}: internal error while checking",
+                    f"{type(exc).__name__}: {exc}",
+                    "this is a bug in gpunode: run `gpunode --debug doctor` for the traceback and report it",
+                )
+            )
     return Report(tuple(findings))
 
 

@@ -35,6 +35,20 @@ SUPPORTED_DISTRIBUTIONS: dict[str, str] = {
     "opensuse-leap": "openSUSE Leap 15",
 }
 
+# The oldest release of each that NVIDIA still publishes nvidia-container-toolkit for (major version).
+MINIMUM_MAJOR: dict[str, int] = {
+    "ubuntu": 20,
+    "debian": 11,
+    "rhel": 8,
+    "rocky": 8,
+    "almalinux": 8,
+    "centos": 8,
+    "amzn": 2,
+    "sles": 15,
+    "opensuse-leap": 15,
+}
+OS_RELEASE_FILES = ("/etc/os-release", "/usr/lib/os-release")
+
 # (name shown, binary, systemd unit)
 RUNTIMES: tuple[tuple[str, str, str], ...] = (
     ("containerd", "containerd", "containerd.service"),
@@ -49,14 +63,20 @@ class Context:
     host: Host
     discover: Callable[[Host], Inventory]
     _inventory: Inventory | NvmlError | None = None
+    _discovery_bug: Exception | None = None
     _services: dict[str, str | None] = field(default_factory=dict)
 
     def inventory(self) -> Inventory | NvmlError:
+        if self._discovery_bug is not None:
+            raise self._discovery_bug  # discover once, even when it fails unexpectedly
         if self._inventory is None:
             try:
                 self._inventory = self.discover(self.host)
             except NvmlError as exc:
                 self._inventory = exc
+            except Exception as exc:
+                self._discovery_bug = exc
+                raise
         return self._inventory
 
     def service(self, unit: str) -> str | None:
@@ -73,30 +93,7 @@ class Context:
 
 
 def check_os(ctx: Context) -> Iterable[Finding]:
-    import distro
-
-    info = distro.LinuxDistribution(root_dir=str(ctx.host.root), include_lsb=False, include_uname=False)
-    dist_id, version, name = info.id(), info.version(), info.name(pretty=True)
-    like = info.like().split()
-    supported = dist_id in SUPPORTED_DISTRIBUTIONS or any(x in ("debian", "rhel", "suse") for x in like)
-    if not dist_id:
-        yield Finding(
-            "os.distribution",
-            Status.WARN,
-            "distribution unknown (no /etc/os-release)",
-            fix="gpunode supports: " + "; ".join(SUPPORTED_DISTRIBUTIONS.values()),
-        )
-    elif supported:
-        label = name if name and version in name else f"{name or dist_id} {version}".strip()
-        yield Finding("os.distribution", Status.OK, label)
-    else:
-        yield Finding(
-            "os.distribution",
-            Status.WARN,
-            f"{name or dist_id} is not a distribution gpunode supports",
-            detail="NVIDIA publishes nvidia-container-toolkit packages for apt, dnf and zypper systems only.",
-            fix="use one of: " + "; ".join(SUPPORTED_DISTRIBUTIONS.values()),
-        )
+    yield _distribution_finding(ctx.host)
     if ctx.host.euid == 0:
         yield Finding("os.privileges", Status.OK, "running as root")
     else:
@@ -108,6 +105,64 @@ def check_os(ctx: Context) -> Iterable[Finding]:
         )
 
 
+def _distribution_finding(host: Host) -> Finding:
+    import distro
+
+    supported = "gpunode supports: " + "; ".join(SUPPORTED_DISTRIBUTIONS.values())
+    release = next((p for p in OS_RELEASE_FILES if host.exists(p)), None)
+    if release is None:
+        return Finding(
+            "os.distribution", Status.WARN, "distribution unknown (no os-release file)", fix=supported
+        )
+    try:
+        host.read_text(release)  # the clear error (permission, not UTF-8, ...) before distro's own parse
+        # distro reads the file itself: give it the path resolved under the root, never this machine's.
+        info = distro.LinuxDistribution(
+            include_lsb=False,
+            include_uname=False,
+            root_dir=str(host.root),
+            os_release_file=str(host.path(release)),
+        )
+        dist_id, version, name, like = info.id(), info.version(), info.name(pretty=True), info.like().split()
+    except GpunodeError as exc:
+        return Finding(
+            "os.distribution", Status.WARN, "distribution unknown", detail=exc.message, fix=supported
+        )
+    except (OSError, UnicodeError, ValueError) as exc:
+        return Finding(
+            "os.distribution", Status.WARN, "distribution unknown", detail=f"{release}: {exc}", fix=supported
+        )
+    label = name if name and version and version in name else f"{name or dist_id} {version}".strip()
+    family = (
+        dist_id
+        if dist_id in SUPPORTED_DISTRIBUTIONS
+        else next((x for x in like if x in ("debian", "ubuntu", "rhel", "fedora", "suse")), None)
+    )
+    if not dist_id and not family:
+        return Finding(
+            "os.distribution", Status.WARN, f"distribution unknown ({release} names none)", fix=supported
+        )
+    if family is None:
+        return Finding(
+            "os.distribution",
+            Status.WARN,
+            f"{label} is not a distribution gpunode supports",
+            detail="NVIDIA publishes nvidia-container-toolkit packages for apt, dnf and zypper systems only.",
+            fix=supported,
+        )
+    minimum = MINIMUM_MAJOR.get(dist_id)
+    major = version.split(".", 1)[0]
+    if minimum is not None and major.isdigit() and int(major) < minimum:
+        return Finding(
+            "os.distribution",
+            Status.WARN,
+            f"{label} is older than gpunode supports",
+            detail="NVIDIA no longer publishes nvidia-container-toolkit for it.",
+            fix=supported,
+        )
+    return Finding("os.distribution", Status.OK, label or dist_id)
+
+
 # -- driver -------------------------------------------------------------------------------------
 
 _NVRM = re.compile(r"Kernel Module(?: for [\w-]+)?\s+([0-9][0-9.]+)")
@@ -116,7 +171,10 @@ _NVRM = re.compile(r"Kernel Module(?: for [\w-]+)?\s+([0-9][0-9.]+)")
 def check_driver(ctx: Context) -> Iterable[Finding]:
     host = ctx.host
     if ctx.driver_module_loaded():
-        text = host.read_text_if_exists(paths.NVIDIA_DRIVER_VERSION) or ""
+        try:
+            text = host.read_text_if_exists(paths.NVIDIA_DRIVER_VERSION) or ""
+        except GpunodeError:
+            text = ""  # the module is there (sysfs); its version is just unknown
         match = _NVRM.search(text)
         version = match.group(1) if match else None
         yield Finding(
@@ -220,10 +278,11 @@ def _gpu_finding(gpu: Gpu) -> Finding:
             Status.FAIL,
             f"GPU {gpu.index} cannot be read",
             detail=gpu.error,
-            fix="run gpunode as root, and check the permissions of /dev/nvidia*",
+            fix=f"see `nvidia-smi -i {gpu.index}` and `dmesg | grep -i nvrm`; on permission denied, run "
+            "gpunode as root or fix the permissions of /dev/nvidia*",
         )
     summary = f"GPU {gpu.index}: {_describe(gpu)}"
-    detail_lines = [f"UUID {gpu.uuid}"]
+    detail_lines = [f"UUID {gpu.uuid}"] if gpu.uuid else []
     if gpu.pci_bus_id:
         detail_lines.append(
             f"PCI {gpu.pci_bus_id}, NUMA node {gpu.numa_node if gpu.numa_node is not None else '-'}"
@@ -273,7 +332,8 @@ def _gpu_finding(gpu: Gpu) -> Finding:
             (
                 Status.WARN,
                 "MIG is on but no MIG devices exist, so no workload can use this GPU",
-                f"create instances, e.g. `nvidia-smi mig -i {gpu.index} -cgi 1g.10gb -C`",
+                f"list the profiles with `nvidia-smi mig -i {gpu.index} -lgip`, then create instances with "
+                f"`nvidia-smi mig -i {gpu.index} -cgi <profile> -C`",
             )
         )
     if not problems:
@@ -294,8 +354,14 @@ def check_device_nodes(ctx: Context) -> Iterable[Finding]:
         return
     wanted = ["/dev/nvidiactl", "/dev/nvidia-uvm"]
     inv = ctx.inventory()
-    if not isinstance(inv, NvmlError):
+    unchecked = ""
+    if isinstance(inv, NvmlError):
+        unchecked = "GPU nodes not checked: NVML cannot be used"
+    else:
         wanted += [g.device_path for g in inv.gpus if g.device_path]
+        unknown = [str(g.index) for g in inv.gpus if g.device_path is None]
+        if unknown:
+            unchecked = f"no minor number known for GPU {', '.join(unknown)}"
     missing = [p for p in wanted if not ctx.host.is_char_device(p)]
     if missing:
         yield Finding(
@@ -303,17 +369,20 @@ def check_device_nodes(ctx: Context) -> Iterable[Finding]:
             Status.FAIL,
             f"missing device node{'s' if len(missing) > 1 else ''}: {', '.join(missing)}",
             detail="Containers get GPUs through these character devices; without /dev/nvidia-uvm CUDA "
-            "cannot start.",
+            "cannot start." + (f"\n{unchecked}" if unchecked else ""),
             fix="`nvidia-modprobe -u -c=0` (creates the nodes; part of the driver), or `modprobe nvidia-uvm`",
         )
-    else:
-        gpu_nodes = len(wanted) - 2
-        yield Finding(
-            "devices.nodes",
-            Status.OK,
-            f"/dev/nvidiactl, /dev/nvidia-uvm and {gpu_nodes} GPU node{'s' * (gpu_nodes != 1)} present",
-            detail=", ".join(wanted),
-        )
+        return
+    gpu_nodes = len(wanted) - 2
+    summary = "/dev/nvidiactl and /dev/nvidia-uvm present"
+    if not isinstance(inv, NvmlError):
+        summary = f"/dev/nvidiactl, /dev/nvidia-uvm and {gpu_nodes} GPU node{'s' * (gpu_nodes != 1)} present"
+    yield Finding(
+        "devices.nodes",
+        Status.OK,
+        summary + (f" ({unchecked})" if unchecked else ""),
+        detail=", ".join(wanted),
+    )
 
 
 # -- nvidia-container-toolkit -------------------------------------------------------------------
@@ -371,7 +440,10 @@ def read_runtime_state(host: Host, runtime: str) -> RuntimeConfigState:
 
 def check_runtimes(ctx: Context) -> Iterable[Finding]:
     host = ctx.host
-    kubelet_uses = kubelet_runtime(host)
+    try:
+        kubelet_uses = kubelet_runtime(host)
+    except GpunodeError:
+        kubelet_uses = None  # kubelet's files unreadable: which runtime it uses is unknown
     if kubelet_uses is None and kubelet_present(host):
         kubelet_uses = "containerd"  # kubelet's built-in default endpoint since Kubernetes 1.27
     installed = [(name, unit) for name, binary, unit in RUNTIMES if host.which(binary)]
@@ -386,7 +458,17 @@ def check_runtimes(ctx: Context) -> Iterable[Finding]:
             "Kubernetes uses by default",
         )
         return
+    if kubelet_uses and kubelet_uses not in [n for n, _ in installed]:
+        yield Finding(
+            f"runtime.{kubelet_uses}",
+            Status.FAIL,
+            f"kubelet is configured for {kubelet_uses}, which is not installed",
+            detail="kubelet's --container-runtime-endpoint (or containerRuntimeEndpoint) names it.",
+            fix=f"install {kubelet_uses}, or point kubelet's container runtime endpoint at the installed one",
+        )
     for name, _binary, unit in RUNTIMES:
+        if name == kubelet_uses and (name, unit) not in installed:
+            continue
         if (name, unit) not in installed:
             yield Finding(f"runtime.{name}", Status.SKIP, f"{name} is not installed")
             continue
@@ -397,14 +479,16 @@ def check_runtimes(ctx: Context) -> Iterable[Finding]:
 def _runtime_finding(ctx: Context, name: str, unit: str, essential: bool, kubelets: bool) -> Finding:
     fid = f"runtime.{name}"
     # k3s, RKE2 and microk8s run their own containerd inside their own service.
-    state_word = None if name == "containerd" and _embedded_containerd(ctx.host) else ctx.service(unit)
+    embedded = _embedded_containerd(ctx.host) if name == "containerd" else None
+    state_word = None if embedded else ctx.service(unit)
     running = "" if state_word is None else f", service {state_word}"
+    bad = Status.FAIL if essential else Status.WARN
     try:
         state = read_runtime_state(ctx.host, name)
     except GpunodeError as exc:
         return Finding(
             fid,
-            Status.FAIL,
+            bad,
             f"{name}: its configuration cannot be read",
             detail=exc.message,
             fix=exc.fix or "fix the file (the message says where), then run doctor again",
@@ -418,16 +502,15 @@ def _runtime_finding(ctx: Context, name: str, unit: str, essential: bool, kubele
     )
     detail_lines += list(state.notes)
     detail = "\n".join(detail_lines)
-    configure = _configure_fix(name)
-    bad = Status.FAIL if essential else Status.WARN
+    configure = _configure_fix(name, embedded)
+    restart = EMBEDDED_FIX[embedded][1] if embedded else f"`systemctl restart {unit}`"
     if state.problems:
         return Finding(
             fid,
             bad,
             f"{name}{running}: {state.problems[0]}",
             detail=detail,
-            fix="correct the configuration as described"
-            + (f", then `systemctl restart {unit}`" if state.exists else ""),
+            fix="correct the configuration as described" + (f", then {restart}" if state.exists else ""),
         )
     if state.nvidia_runtime is None:
         return Finding(
@@ -444,7 +527,7 @@ def _runtime_finding(ctx: Context, name: str, unit: str, essential: bool, kubele
             bad,
             f"{name}: nvidia runtime '{state.nvidia_runtime}' configured, but the service is {state_word}",
             detail=detail,
-            fix=f"`systemctl restart {unit}` and read `journalctl -u {unit} -n 50`",
+            fix=f"{restart} and read `journalctl -u {unit} -n 50`",
         )
     summary = f"{name}{running}: nvidia runtime '{state.nvidia_runtime}' configured"
     if state.nvidia_is_default:
@@ -454,15 +537,17 @@ def _runtime_finding(ctx: Context, name: str, unit: str, essential: bool, kubele
         Status.WARN,
         summary + f", but the default is '{state.default_runtime}'",
         detail=detail + "\nPods get a GPU only when they ask for the nvidia runtime class.",
-        fix=f"make it the default ({configure}, adding --set-as-default), or give GPU pods "
+        fix=f"make it the default ({_configure_fix(name, embedded, default=True)}), or give GPU pods "
         f"`runtimeClassName: {state.nvidia_runtime}`",
     )
 
 
-def _embedded_containerd(host: Host) -> bool:
+def _embedded_containerd(host: Host) -> str | None:
+    """The service ("k3s", "rke2", "microk8s") whose own containerd runs here, or None."""
     from gpunode.runtimes.containerd import detect_location
 
-    return detect_location(host).flavour != "containerd"
+    flavour = detect_location(host).flavour
+    return None if flavour == "containerd" else flavour
 
 
 def kubelet_present(host: Host) -> bool:
@@ -470,9 +555,27 @@ def kubelet_present(host: Host) -> bool:
     return any(host.which(p) for p in ("kubelet", "k3s", "rke2"))
 
 
-def _configure_fix(name: str) -> str:
-    unit = {"docker": "docker", "containerd": "containerd", "crio": "crio"}[name]
-    return f"`nvidia-ctk runtime configure --runtime={name}` then `systemctl restart {unit}`"
+EMBEDDED_FIX = {
+    # (template, restart) for distributions that rewrite containerd's config.toml at every start.
+    "k3s": ("config.toml.tmpl next to k3s's config.toml", "`systemctl restart k3s` (k3s-agent on agents)"),
+    "rke2": (
+        "config.toml.tmpl next to RKE2's config.toml",
+        "`systemctl restart rke2-server` (or rke2-agent)",
+    ),
+    "microk8s": (
+        "/var/snap/microk8s/current/args/containerd-template.toml",
+        "`microk8s stop && microk8s start`",
+    ),
+}
+
+
+def _configure_fix(name: str, embedded: str | None = None, *, default: bool = False) -> str:
+    if embedded:
+        template, restart = EMBEDDED_FIX[embedded]
+        what = "the nvidia runtime" + (" and make it default_runtime_name" if default else "")
+        return f"add {what} in {template} (start from a copy of the generated config), then {restart}"
+    flag = " --set-as-default" if default else ""
+    return f"`nvidia-ctk runtime configure --runtime={name}{flag}` then `systemctl restart {name}`"
 
 
 # -- kubelet and the device plugin --------------------------------------------------------------

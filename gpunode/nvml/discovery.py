@@ -14,7 +14,14 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from typing import Any, TypeVar
 
-from gpunode.errors import DriverNotLoaded, GpuLost, NvmlError, NvmlLibraryNotFound, NvmlNoPermission
+from gpunode.errors import (
+    DriverNotLoaded,
+    GpuLost,
+    GpunodeError,
+    NvmlError,
+    NvmlLibraryNotFound,
+    NvmlNoPermission,
+)
 from gpunode.host import Host
 from gpunode.nvml.model import Gpu, GpuPair, Inventory, MigDevice, MigMode, TopologyLevel
 
@@ -142,17 +149,16 @@ class _Reader:
             code = getattr(exc, "value", None)
             if code == GPU_IS_LOST:
                 raise _Lost from exc
-            if code in (NOT_SUPPORTED, FUNCTION_NOT_FOUND, NO_PERMISSION, NOT_FOUND, INVALID_ARGUMENT):
-                reason = {
-                    NOT_SUPPORTED: "not supported by this GPU/driver",
-                    FUNCTION_NOT_FOUND: "not implemented by this driver's NVML",
-                    NO_PERMISSION: "permission denied",
-                    NOT_FOUND: "not found",
-                    INVALID_ARGUMENT: "refused (invalid argument)",
-                }[code]
-                self.unknown.append(f"{what}: {reason}")
-                return None
-            raise translate_nvml_error(exc, what) from exc
+            # Any other failure of one query loses that one fact, never the whole inventory.
+            reason = {
+                NOT_SUPPORTED: "not supported by this GPU/driver",
+                FUNCTION_NOT_FOUND: "not implemented by this driver's NVML",
+                NO_PERMISSION: "permission denied",
+                NOT_FOUND: "not found",
+                INVALID_ARGUMENT: "refused (invalid argument)",
+            }.get(code if isinstance(code, int) else -1, f"failed ({exc})")
+            self.unknown.append(f"{what}: {reason}")
+            return None
 
     def read(self) -> Inventory:
         nvml = self.nvml
@@ -251,7 +257,12 @@ class _Reader:
         # sysfs is what the kernel (and so kubelet's topology manager) uses; NVML is the fallback for
         # containers that do not see /sys.
         if bus_id:
-            raw = self.host.read_text_if_exists(f"/sys/bus/pci/devices/{sysfs_pci_address(bus_id)}/numa_node")
+            try:
+                raw = self.host.read_text_if_exists(
+                    f"/sys/bus/pci/devices/{sysfs_pci_address(bus_id)}/numa_node"
+                )
+            except GpunodeError:
+                raw = None  # unreadable sysfs: ask NVML
             if raw is not None and raw.strip().lstrip("-").isdigit():
                 sysfs_node = int(raw.strip())
                 return sysfs_node if sysfs_node >= 0 else None

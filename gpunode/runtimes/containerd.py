@@ -293,6 +293,7 @@ class LoadedConfig:
     version: int
     files: tuple[str, ...]  # every file read, in merge order
     notes: tuple[str, ...]
+    problems: tuple[str, ...] = ()  # the notes that stop containerd or lose settings
 
 
 def load_config(host: Host, path: str, installed: tuple[int, int] | None = None) -> LoadedConfig:
@@ -304,7 +305,8 @@ def load_config(host: Host, path: str, installed: tuple[int, int] | None = None)
     merged = dict(main)
     files = [path] if text is not None else []
     notes: list[str] = []
-    pending = list(_follow_imports(host, path, main, notes))
+    problems: list[str] = []
+    pending = list(_follow_imports(host, path, main, notes, problems))
     while pending:
         current = pending.pop(0)
         if current in files:
@@ -320,20 +322,24 @@ def load_config(host: Host, path: str, installed: tuple[int, int] | None = None)
         merged = merge_config(merged, doc, replace_plugins=replace_plugins)
         lost = [name for name in before if name not in configured_runtimes(merged, version, current)]
         if lost and replace_plugins:
-            notes.append(
+            problems.append(
                 f"{current} replaces the whole CRI plugin table (containerd before 2.1 does not merge "
                 f"imported plugin tables): runtime(s) {', '.join(lost)} and every CRI setting it leaves out "
                 "are lost"
             )
         files.append(current)
-        pending.extend(_follow_imports(host, current, doc, notes))
-    return LoadedConfig(path, bool(main), main, merged, version, tuple(files), tuple(notes))
+        pending.extend(_follow_imports(host, current, doc, notes, problems))
+    return LoadedConfig(
+        path, bool(main), main, merged, version, tuple(files), tuple(notes + problems), tuple(problems)
+    )
 
 
-def _follow_imports(host: Host, path: str, doc: Mapping[str, Any], notes: list[str]) -> tuple[str, ...]:
+def _follow_imports(
+    host: Host, path: str, doc: Mapping[str, Any], notes: list[str], problems: list[str]
+) -> tuple[str, ...]:
     resolved = resolve_imports(host, path, doc.get("imports"))
     notes.extend(resolved.notes)
-    notes.extend(
+    problems.extend(
         f"{path} imports {m}, which does not exist: containerd refuses to start with this configuration"
         for m in resolved.missing
     )
@@ -477,12 +483,13 @@ def read_state(host: Host, path: str | None = None) -> RuntimeConfigState:
             "containerd", path, True, (), None, None, None, None, files=(path,), notes=tuple(notes)
         )
     loaded = load_config(host, path, installed)
-    notes.extend(loaded.notes)
+    notes.extend(n for n in loaded.notes if n not in loaded.problems)
     doc, version = loaded.merged, loaded.version
     runtimes = configured_runtimes(doc, version, path)
     default = default_runtime_name(doc, version, path)
     nvidia = find_nvidia_runtime(runtimes, doc, version, default)
-    problems = _version_notes(path, loaded, installed) + _cri_notes(path, doc, version, runtimes, default)
+    problems = [*loaded.problems, *_version_notes(path, loaded, installed)]
+    problems += _cri_notes(path, doc, version, runtimes, default)
     if nvidia:
         problems.extend(_systemd_cgroup_notes(runtimes, nvidia[0], default))
     notes.extend(problems)

@@ -30,11 +30,14 @@ BACKUP_SUFFIXES = (".gpunode-bak", ".bak", "~", ".orig", ".rpmsave", ".rpmnew", 
 
 
 def dropin_files(host: Host, directory: str = DROPIN_DIR) -> list[str]:
-    """Every file under `directory` in the order CRI-O applies them (a depth-first walk, names sorted)."""
+    """Every file under `directory` in the order CRI-O applies them (a depth-first walk, names sorted).
+
+    Like CRI-O's own walk, a symlink to a directory is not descended into (which also ends link loops).
+    """
     files: list[str] = []
     for name in host.listdir(directory):
         path = posixpath.join(directory, name)
-        if host.is_dir(path):
+        if host.is_dir(path) and not host.is_symlink(path):
             files.extend(dropin_files(host, path))
         elif host.is_file(path):
             files.append(path)

@@ -351,3 +351,162 @@ def test_k3s_node_with_embedded_containerd_and_kubelet(
     # k3s finds the nvidia runtime by itself but keeps runc as the default.
     assert containerd["status"] == "warn" and "but the default is 'runc'" in containerd["summary"]
     assert code == ExitCode.OK
+
+
+# -- odd hosts: doctor degrades per fact, never crashes, never reads outside the root --------------
+
+
+def test_a_check_that_breaks_does_not_stop_the_others(
+    node: Node, fake_nvml: Callable[..., None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpunode.doctor import checks
+
+    fake_nvml("pcie-4")
+
+    def broken(host: object) -> str:
+        raise KeyError("boom")
+
+    monkeypatch.setattr(checks, "kubelet_present", broken)
+    report = run_doctor(node.host())
+    ids = [f.id for f in report.findings]
+    assert "runtime.error" in ids and "gpu.3" in ids
+    bug = next(f for f in report.findings if f.id == "runtime.error")
+    assert bug.status.value == "fail" and "KeyError" in (bug.detail or "") and "--debug" in (bug.fix or "")
+    with pytest.raises(KeyError):
+        run_doctor(node.host(), raise_bugs=True)
+
+
+def test_one_failing_nvml_query_loses_one_fact(
+    node: Node, fake_nvml: Callable[..., None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pynvml
+
+    fake_nvml("pcie-4")
+    real = pynvml.nvmlDeviceGetTotalEccErrors
+
+    def flaky(handle: object, *args: object) -> object:
+        if pynvml.nvmlDeviceGetIndex(handle) == 1:
+            raise pynvml.NVMLError(999)
+        return real(handle, *args)
+
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetTotalEccErrors", flaky)
+    checks = {f.id: f for f in run_doctor(node.host()).findings}
+    assert checks["gpu.count"].summary == "4 GPUs found"
+    assert checks["gpu.1"].status.value == "ok"
+    assert "GPU 1 ECC errors: failed (Unknown Error)" in (checks["nvml.init"].detail or "")
+
+
+def test_kubelet_flags_in_comments_do_not_count(
+    node: Node, fake_nvml: Callable[..., None], capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake_nvml("pcie-4")
+    node.program("dockerd")
+    node.file(
+        "/etc/default/kubelet",
+        "# KUBELET_EXTRA_ARGS=--container-runtime-endpoint=unix:///run/cri-dockerd.sock\n",
+    )
+    node.file(
+        "/var/lib/kubelet/config.yaml", "containerRuntimeEndpoint: unix:///run/containerd/containerd.sock\n"
+    )
+    _, report = doctor_json(node, capsys)
+    checks = by_id(report)
+    assert "kubelet uses" not in checks["runtime.docker"]["summary"]
+    assert checks["runtime.docker"]["status"] == "warn"
+
+
+def test_kubelet_runtime_not_installed(
+    node: Node, fake_nvml: Callable[..., None], capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake_nvml("pcie-4")
+    node.file(
+        "/var/lib/kubelet/kubeadm-flags.env",
+        'KUBELET_KUBEADM_ARGS="--container-runtime-endpoint=unix:///var/run/crio/crio.sock"\n',
+    )
+    code, report = doctor_json(node, capsys)
+    crio = by_id(report)["runtime.crio"]
+    assert code == ExitCode.UNHEALTHY
+    assert (
+        crio["status"] == "fail"
+        and crio["summary"] == "kubelet is configured for crio, which is not installed"
+    )
+
+
+def test_unreadable_config_of_a_runtime_kubelet_does_not_use_only_warns(
+    node: Node, fake_nvml: Callable[..., None], capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake_nvml("pcie-4")
+    node.program("dockerd")
+    (node.root / "etc/docker/daemon.json").mkdir(parents=True)
+    code, report = doctor_json(node, capsys)
+    docker = by_id(report)["runtime.docker"]
+    assert code == ExitCode.OK
+    assert docker["status"] == "warn" and "is a directory" in docker["detail"]
+
+
+def test_root_image_with_absolute_symlinks(
+    node: Node, fake_nvml: Callable[..., None], capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake_nvml("pcie-4")
+    node.remove("/etc/os-release")
+    node.file(
+        "/usr/lib/os-release",
+        'NAME="Rocky Linux"\nVERSION_ID="9.4"\nID=rocky\nID_LIKE="rhel centos fedora"\n'
+        'PRETTY_NAME="Rocky Linux 9.4 (Blue Onyx)"\n',
+    )
+    (node.root / "etc/os-release").symlink_to("/usr/lib/os-release")  # a host path: must stay in the image
+    _, report = doctor_json(node, capsys)
+    assert by_id(report)["os.distribution"]["summary"] == "Rocky Linux 9.4 (Blue Onyx)"
+
+
+def test_old_and_unreadable_distributions(node: Node, fake_nvml: Callable[..., None]) -> None:
+    fake_nvml("pcie-4")
+    node.file(
+        "/etc/os-release", 'NAME="Ubuntu"\nVERSION_ID="18.04"\nID=ubuntu\nPRETTY_NAME="Ubuntu 18.04.6 LTS"\n'
+    )
+    old = {f.id: f for f in run_doctor(node.host()).findings}["os.distribution"]
+    assert old.status.value == "warn" and old.summary == "Ubuntu 18.04.6 LTS is older than gpunode supports"
+    (node.root / "etc/os-release").write_bytes(b'PRETTY_NAME="Ubunt\xe9"\nID=ubuntu\n')
+    bad = {f.id: f for f in run_doctor(node.host()).findings}["os.distribution"]
+    assert bad.status.value == "warn" and "not a UTF-8 text file" in (bad.detail or "")
+
+
+def test_garbage_driver_version_file(node: Node, fake_nvml: Callable[..., None]) -> None:
+    fake_nvml("pcie-4")
+    (node.root / "proc/driver/nvidia/version").write_bytes(b"\xff\x00\xfe")
+    checks = {f.id: f for f in run_doctor(node.host()).findings}
+    assert (
+        checks["driver.module"].status.value == "ok"
+        and checks["driver.module"].summary == "nvidia kernel module loaded"
+    )
+    assert "driver.nouveau" in checks
+
+
+def test_missing_containerd_import_is_a_failure(
+    node: Node, fake_nvml: Callable[..., None], capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake_nvml("pcie-4")
+    text = (node.root / "etc/containerd/config.toml").read_text()
+    node.file("/etc/containerd/config.toml", 'imports = ["/etc/containerd/conf.d/nope.toml"]\n' + text)
+    _, report = doctor_json(node, capsys)
+    check = by_id(report)["runtime.containerd"]
+    assert (
+        check["status"] == "fail" and "which does not exist: containerd refuses to start" in check["summary"]
+    )
+
+
+def test_crio_dropin_link_loop_and_fifo_config_do_not_hang(
+    node: Node, fake_nvml: Callable[..., None]
+) -> None:
+    fake_nvml("pcie-4")
+    node.program("crio")
+    node.file("/etc/crio/crio.conf.d/10-crio.conf", '[crio.runtime]\ndefault_runtime = "crun"\n')
+    (node.root / "etc/crio/crio.conf.d/a").symlink_to(".")
+    (node.root / "etc/crio/crio.conf.d/b").symlink_to(".")
+    node.remove("/etc/containerd/config.toml")
+    os.mkfifo(node.root / "etc/containerd/config.toml")
+    checks = {f.id: f for f in run_doctor(node.host()).findings}
+    assert (
+        checks["runtime.crio"].detail is not None and checks["runtime.crio"].detail.count("10-crio.conf") == 1
+    )
+    assert checks["runtime.containerd"].status.value == "fail"
+    assert "not a regular file" in (checks["runtime.containerd"].detail or "")

@@ -21,7 +21,7 @@ def test_gpunode_error_prints_message_and_fix_without_traceback(
     monkeypatch.setattr(
         gpunode.doctor,
         "run_doctor",
-        lambda host: _raise(PermissionDenied("cannot read /etc/x", "run as root")),
+        lambda host, **kw: _raise(PermissionDenied("cannot read /etc/x", "run as root")),
     )
     code = cli_main.main(["doctor"], host=Host())
     err = capsys.readouterr().err
@@ -34,7 +34,9 @@ def test_debug_adds_the_traceback(
 ) -> None:
     import gpunode.doctor
 
-    monkeypatch.setattr(gpunode.doctor, "run_doctor", lambda host: _raise(PermissionDenied("nope", "sudo")))
+    monkeypatch.setattr(
+        gpunode.doctor, "run_doctor", lambda host, **kw: _raise(PermissionDenied("nope", "sudo"))
+    )
     code = cli_main.main(["--debug", "doctor"], host=Host())
     err = capsys.readouterr().err
     assert code == ExitCode.PERMISSION
@@ -46,7 +48,7 @@ def test_a_bug_is_an_internal_error(
 ) -> None:
     import gpunode.doctor
 
-    monkeypatch.setattr(gpunode.doctor, "run_doctor", lambda host: _raise(KeyError("oops")))
+    monkeypatch.setattr(gpunode.doctor, "run_doctor", lambda host, **kw: _raise(KeyError("oops")))
     code = cli_main.main(["doctor"], host=Host())
     err = capsys.readouterr().err
     assert code == ExitCode.INTERNAL
@@ -56,7 +58,7 @@ def test_a_bug_is_an_internal_error(
 def test_ctrl_c(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     import gpunode.doctor
 
-    monkeypatch.setattr(gpunode.doctor, "run_doctor", lambda host: _raise(KeyboardInterrupt()))
+    monkeypatch.setattr(gpunode.doctor, "run_doctor", lambda host, **kw: _raise(KeyboardInterrupt()))
     assert cli_main.main(["doctor"], host=Host()) == ExitCode.INTERRUPTED
 
 

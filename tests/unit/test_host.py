@@ -25,7 +25,7 @@ def test_read_errors_name_the_file(tmp_path: Path) -> None:
     with pytest.raises(NotFound, match=r"/etc/missing\.conf does not exist"):
         host.read_text("/etc/missing.conf")
     (tmp_path / "etc").mkdir()
-    with pytest.raises(ConfigError, match="/etc is a directory"):
+    with pytest.raises(ConfigError, match="/etc is a directory where a file was expected"):
         host.read_text("/etc")
     (tmp_path / "etc/bin.conf").write_bytes(b"\xff\xfe\x00")
     with pytest.raises(ConfigError, match=r"/etc/bin.conf is not a UTF-8 text file"):
@@ -168,3 +168,44 @@ def test_scripted_runner_answers_by_longest_prefix() -> None:
     with pytest.raises(CommandFailed, match="not installed"):
         Host(runner=runner).run(["other"])
     assert runner.calls[0] == ("systemctl", "is-active", "kubelet")
+
+
+def test_directory_symlinks_never_escape_the_root(tmp_path: Path) -> None:
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    (root / "etc").mkdir(parents=True)
+    outside.mkdir()
+    (root / "etc/containerd").symlink_to(outside)  # absolute: a host path, re-rooted
+    (root / "etc/docker").symlink_to("../../outside")  # relative: cannot climb above the root
+    host = Host(root=root)
+    with pytest.raises(NotFound, match="directory /etc/containerd does not exist"):
+        host.write_file("/etc/containerd/config.toml", "x\n")  # the link's target is not under the root
+    assert not (outside / "config.toml").exists()
+    (root / "outside").mkdir()
+    host.write_file("/etc/docker/daemon.json", "{}\n")
+    assert (root / "outside/daemon.json").read_text() == "{}\n"
+    assert not (outside / "daemon.json").exists()
+
+
+def test_reads_follow_absolute_links_inside_the_root(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    (root / "usr/lib").mkdir(parents=True)
+    (root / "etc").mkdir()
+    (root / "usr/lib/os-release").write_text("ID=rocky\n")
+    (root / "etc/os-release").symlink_to("/usr/lib/os-release")
+    host = Host(root=root)
+    assert host.read_text("/etc/os-release") == "ID=rocky\n"
+    assert host.is_file("/etc/os-release") and host.is_symlink("/etc/os-release")
+
+
+def test_link_loops_fifos_and_huge_files_are_refused(tmp_path: Path) -> None:
+    host = Host(root=tmp_path)
+    (tmp_path / "loop").symlink_to("/loop")
+    with pytest.raises(ConfigError, match="too many levels of symbolic links"):
+        host.read_text("/loop")
+    assert not host.exists("/loop") and not host.is_file("/loop")
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(ConfigError, match="not a regular file"):
+        host.read_text("/fifo")  # returns at once instead of waiting for a writer
+    (tmp_path / "huge").write_bytes(b"#" * (9 * 2**20))
+    with pytest.raises(ConfigError, match="larger than 8 MiB"):
+        host.read_text("/huge")
