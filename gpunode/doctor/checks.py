@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from gpunode import paths
 from gpunode.doctor.model import Finding, Status
@@ -84,6 +85,14 @@ class Context:
             units = [unit for _, _, unit in RUNTIMES] + [KUBELET_UNIT, paths.PLUGIN_SERVICE]
             self._services = service_states(self.host, units)
         return self._services.get(unit)
+
+    @cached_property
+    def embedded_containerd(self) -> str | None:
+        return _embedded_containerd(self.host)
+
+    @cached_property
+    def has_kubelet(self) -> bool:
+        return kubelet_present(self.host)
 
     def driver_module_loaded(self) -> bool:
         return self.host.exists(paths.NVIDIA_MODULE) or self.host.exists(paths.NVIDIA_DRIVER_VERSION)
@@ -444,10 +453,10 @@ def check_runtimes(ctx: Context) -> Iterable[Finding]:
         kubelet_uses = kubelet_runtime(host)
     except GpunodeError:
         kubelet_uses = None  # kubelet's files unreadable: which runtime it uses is unknown
-    if kubelet_uses is None and kubelet_present(host):
+    if kubelet_uses is None and ctx.has_kubelet:
         kubelet_uses = "containerd"  # kubelet's built-in default endpoint since Kubernetes 1.27
     installed = [(name, unit) for name, binary, unit in RUNTIMES if host.which(binary)]
-    if "containerd" not in [n for n, _ in installed] and _embedded_containerd(host):
+    if "containerd" not in [n for n, _ in installed] and ctx.embedded_containerd:
         installed.insert(0, ("containerd", "containerd.service"))
     if not installed:
         yield Finding(
@@ -479,7 +488,7 @@ def check_runtimes(ctx: Context) -> Iterable[Finding]:
 def _runtime_finding(ctx: Context, name: str, unit: str, essential: bool, kubelets: bool) -> Finding:
     fid = f"runtime.{name}"
     # k3s, RKE2 and microk8s run their own containerd inside their own service.
-    embedded = _embedded_containerd(ctx.host) if name == "containerd" else None
+    embedded = ctx.embedded_containerd if name == "containerd" else None
     state_word = None if embedded else ctx.service(unit)
     running = "" if state_word is None else f", service {state_word}"
     bad = Status.FAIL if essential else Status.WARN
@@ -583,7 +592,7 @@ def _configure_fix(name: str, embedded: str | None = None, *, default: bool = Fa
 
 def check_kubelet(ctx: Context) -> Iterable[Finding]:
     host = ctx.host
-    if not kubelet_present(host):
+    if not ctx.has_kubelet:
         yield Finding(
             "kubelet",
             Status.WARN,
@@ -620,7 +629,7 @@ def check_kubelet(ctx: Context) -> Iterable[Finding]:
 
 def check_plugin(ctx: Context) -> Iterable[Finding]:
     host = ctx.host
-    if not kubelet_present(host):
+    if not ctx.has_kubelet:
         yield Finding("plugin", Status.SKIP, "device plugin not checked: no kubelet")
         return
     state = ctx.service(paths.PLUGIN_SERVICE)
