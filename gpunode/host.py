@@ -24,7 +24,6 @@ from gpunode.errors import CommandFailed, ConfigError, NotFound, PermissionDenie
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 DEFAULT_TIMEOUT = 10.0
-BACKUP_SUFFIX = ".gpunode-bak"
 MAX_READ = 8 * 2**20  # far above any configuration file gpunode reads
 
 
@@ -311,20 +310,31 @@ class Host:
 
     # -- writing -------------------------------------------------------------------------------
 
-    def write_file(self, host_path: str, content: str | bytes, *, mode: int = 0o644) -> WriteOutcome:
-        """Replace a file atomically, keeping a backup of the original.
+    def write_file(
+        self,
+        host_path: str,
+        content: str | bytes,
+        *,
+        mode: int = 0o644,
+        backup_to: str | None = None,
+        make_parents: bool = False,
+    ) -> WriteOutcome:
+        """Replace a file atomically.
 
         temp file in the same directory → fsync → rename → fsync the directory, so a crash leaves either
         the old or the new file, never half of one. A symlinked path is written through to its target.
         The existing file's mode and owner are kept (`mode` is for new files). Identical content is not
-        rewritten (same bytes, same mtime). The first change keeps the original as `<file>.gpunode-bak`;
-        later changes never overwrite that backup, so it is always the file as it was before gpunode.
+        rewritten (same bytes, same mtime). With `backup_to` (a host path), the original is first copied
+        there, atomically too, unless a backup is already there: the backup is always the file as it was
+        before gpunode's first change.
         """
         data = content.encode("utf-8") if isinstance(content, str) else content
         target = self.path(host_path)  # every symlink on the way resolved, never leaving the root
         directory = target.parent
         if target.is_dir():
             raise ConfigError(f"{host_path} is a directory where a file was expected")
+        if make_parents and not directory.exists():
+            self.make_dirs(str(PurePosixPath(host_path).parent))
         if not directory.is_dir():
             parent = str(PurePosixPath(host_path).parent)
             raise NotFound(f"cannot write {host_path}: directory {parent} does not exist")
@@ -341,8 +351,9 @@ class Host:
             if old == data:
                 return WriteOutcome(target, changed=False)
             backup: Path | None = None
-            if old is not None and st is not None:
-                backup = target.with_name(target.name + BACKUP_SUFFIX)
+            if old is not None and st is not None and backup_to is not None:
+                self.make_dirs(str(PurePosixPath(backup_to).parent), mode=0o700)
+                backup = self.path(backup_to)
                 if not backup.exists():
                     _atomic_write(backup, old, st.st_mode, st.st_uid, st.st_gid)
             _atomic_write(
@@ -353,6 +364,65 @@ class Host:
                 st.st_gid if st else None,
             )
             return WriteOutcome(target, changed=True, backup=backup)
+
+    def read_bytes(self, host_path: str) -> bytes | None:
+        """A file's exact bytes (for backups and byte-identical restores); None when it does not exist."""
+        try:
+            return self.path(host_path).read_bytes()
+        except FileNotFoundError:
+            return None
+        except PermissionError as exc:
+            raise PermissionDenied(
+                f"cannot read {host_path}: permission denied", "run gpunode as root (sudo)"
+            ) from exc
+        except IsADirectoryError as exc:
+            raise ConfigError(f"{host_path} is a directory where a file was expected") from exc
+
+    def remove_file(self, host_path: str) -> bool:
+        """Delete a file (durably: the directory is fsynced). False when it was not there."""
+        target = self.path(host_path, follow_last=False)
+        try:
+            target.unlink()
+        except FileNotFoundError:
+            return False
+        except PermissionError as exc:
+            raise PermissionDenied(
+                f"cannot remove {host_path}: permission denied", "run gpunode as root (sudo)"
+            ) from exc
+        except IsADirectoryError as exc:
+            raise ConfigError(f"{host_path} is a directory where a file was expected") from exc
+        _fsync_directory(target.parent)
+        return True
+
+    def make_dirs(self, host_path: str, *, mode: int = 0o755) -> None:
+        try:
+            self.path(host_path).mkdir(parents=True, exist_ok=True, mode=mode)
+        except PermissionError as exc:
+            raise PermissionDenied(
+                f"cannot create directory {host_path}: permission denied", "run gpunode as root (sudo)"
+            ) from exc
+        except FileExistsError as exc:
+            raise ConfigError(f"{host_path} exists and is not a directory") from exc
+
+    @contextlib.contextmanager
+    def lock(self, host_path: str) -> Iterator[None]:
+        """Hold an exclusive lock (flock on `host_path`, created if needed) so that two gpunode runs that
+        read, plan and write the same files cannot interleave."""
+        self.make_dirs(str(PurePosixPath(host_path).parent))
+        try:
+            fd = os.open(self.path(host_path), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except PermissionError as exc:
+            raise PermissionDenied(
+                f"cannot open the lock {host_path}: permission denied", "run gpunode as root (sudo)"
+            ) from exc
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                _wait_for_lock(lambda: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB), host_path, 120.0)
+            yield
+        finally:
+            os.close(fd)
 
 
 @contextlib.contextmanager
@@ -378,7 +448,7 @@ def _wait_for_lock(try_lock: Callable[[], None], host_path: str, timeout: float 
         except BlockingIOError:
             if time.monotonic() > deadline:
                 raise CommandFailed(
-                    f"another gpunode is writing next to {host_path} and did not finish within {timeout:g} s",
+                    f"another gpunode holds {host_path} and did not finish within {timeout:g} s",
                     "wait for it to finish, then run the command again",
                 ) from None
             time.sleep(0.05)
@@ -410,6 +480,11 @@ def _atomic_write(target: Path, data: bytes, mode: int, uid: int | None, gid: in
         if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
             raise CommandFailed(f"no space left on the device to write {target}") from exc
         raise
+    _fsync_directory(directory)
+
+
+def _fsync_directory(directory: Path) -> None:
+    # The rename or unlink is durable only once the directory entry itself is on disk.
     dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(dir_fd)

@@ -68,9 +68,10 @@ def state(ctx: typer.Context) -> AppState:
 
 
 def _register_commands() -> None:
-    from gpunode.cli import doctor
+    from gpunode.cli import doctor, runtime
 
     app.command("doctor")(doctor.doctor)
+    app.command("configure-runtime")(runtime.configure_runtime)
 
 
 _register_commands()

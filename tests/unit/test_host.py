@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from gpunode.errors import CommandFailed, ConfigError, NotFound
-from gpunode.host import BACKUP_SUFFIX, Host, ScriptedRunner, SubprocessRunner
+from gpunode.host import Host, ScriptedRunner, SubprocessRunner
 
 
 def test_paths_are_mapped_under_the_root(tmp_path: Path) -> None:
@@ -60,13 +60,14 @@ def test_write_keeps_mode_owner_and_first_backup(tmp_path: Path) -> None:
     target.write_text("original\n")
     target.chmod(0o640)
     os.chown(target, 1234, 4321)
-    first = host.write_file("/daemon.json", "changed once\n")
-    assert first.changed and first.backup == tmp_path / ("daemon.json" + BACKUP_SUFFIX)
-    host.write_file("/daemon.json", "changed twice\n")
+    first = host.write_file("/daemon.json", "changed once\n", backup_to="/var/backups/daemon.json")
+    assert first.changed and first.backup == tmp_path / "var/backups/daemon.json"
+    host.write_file("/daemon.json", "changed twice\n", backup_to="/var/backups/daemon.json")
     st = target.stat()
     assert target.read_text() == "changed twice\n"
     assert stat.S_IMODE(st.st_mode) == 0o640 and (st.st_uid, st.st_gid) == (1234, 4321)
-    backup = tmp_path / ("daemon.json" + BACKUP_SUFFIX)
+    backup = tmp_path / "var/backups/daemon.json"
+    assert stat.S_IMODE(backup.parent.stat().st_mode) == 0o700  # backups may hold secrets (registry auth)
     assert backup.read_text() == "original\n"  # the file as it was before gpunode, never overwritten
     assert stat.S_IMODE(backup.stat().st_mode) == 0o640
 
@@ -77,10 +78,10 @@ def test_unchanged_content_is_not_rewritten(tmp_path: Path) -> None:
     target.write_text("same\n")
     os.utime(target, ns=(1_000_000_000, 1_000_000_000))
     inode = target.stat().st_ino
-    outcome = host.write_file("/config.toml", "same\n")
+    outcome = host.write_file("/config.toml", "same\n", backup_to="/bak/config.toml")
     assert not outcome.changed
     assert target.stat().st_mtime_ns == 1_000_000_000 and target.stat().st_ino == inode
-    assert not (tmp_path / ("config.toml" + BACKUP_SUFFIX)).exists()
+    assert not (tmp_path / "bak").exists()
 
 
 def test_write_follows_symlinks_within_the_root(tmp_path: Path) -> None:

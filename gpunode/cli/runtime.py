@@ -1,0 +1,131 @@
+"""`gpunode configure-runtime`: wiring and rendering."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import TYPE_CHECKING, Optional
+
+import typer
+
+from gpunode.errors import UsageError
+from gpunode.runtimes.plan import DEFAULT_RUNTIME_PATH
+
+if TYPE_CHECKING:
+    from gpunode.runtimes.configure import Outcome
+    from gpunode.runtimes.plan import RuntimePlan
+
+
+def configure_runtime(
+    ctx: typer.Context,
+    runtime: Optional[str] = typer.Argument(  # noqa: UP045 (typer reads the annotation at runtime)
+        None,
+        metavar="[docker|containerd|crio]",
+        help="The runtime to configure. Default: the one kubelet uses, else the one installed.",
+        show_default=False,
+    ),
+    config: Optional[str] = typer.Option(  # noqa: UP045
+        None,
+        "--config",
+        metavar="PATH",
+        help="The configuration file. Default: the runtime's standard one (k3s/RKE2/microk8s: the template).",
+    ),
+    set_as_default: bool = typer.Option(False, "--set-as-default", help="Make it the default runtime."),
+    cdi: bool = typer.Option(False, "--cdi", help="Enable CDI where the runtime supports it."),
+    runtime_path: str = typer.Option(
+        DEFAULT_RUNTIME_PATH, "--runtime-path", metavar="PATH", help="The nvidia-container-runtime binary."
+    ),
+    runtime_name: str = typer.Option("nvidia", "--runtime-name", metavar="NAME", help="The runtime's name."),
+    drop_in: Optional[str] = typer.Option(  # noqa: UP045
+        None,
+        "--drop-in",
+        metavar="PATH",
+        help="containerd: put the runtime in this drop-in, imported by the main file. "
+        "CRI-O: the drop-in to write (default /etc/crio/crio.conf.d/99-nvidia.toml).",
+    ),
+    in_place: bool = typer.Option(
+        False, "--in-place", help="Edit the main file itself (containerd's default; CRI-O: crio.conf)."
+    ),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the diff of every file; change nothing."),
+    restart: Optional[bool] = typer.Option(  # noqa: UP045
+        None,
+        "--restart/--no-restart",
+        help="Restart the runtime and check it came back. Default: on, unless --config points elsewhere.",
+        show_default=False,
+    ),
+    revert: bool = typer.Option(
+        False, "--revert", help="Put back the configuration as it was before gpunode changed it."
+    ),
+) -> None:
+    """Add the NVIDIA runtime to docker, containerd or CRI-O: atomically, with a backup and a way back.
+
+    Exit status 0 when configured (or already so); see the README for the others.
+    """
+    from gpunode.cli.main import state
+    from gpunode.runtimes import configure, records
+    from gpunode.runtimes.plan import ConfigureOptions
+
+    host = state(ctx).host
+    if revert and (set_as_default or cdi):
+        raise UsageError("--revert undoes what gpunode did; it takes no --set-as-default or --cdi")
+    opts = ConfigureOptions(
+        runtime_name=runtime_name,
+        runtime_path=runtime_path,
+        set_as_default=set_as_default,
+        cdi=cdi,
+        config=_absolute(config, host.is_real_root),
+        drop_in=_absolute(drop_in, host.is_real_root),
+        in_place=in_place,
+    )
+    chosen, why = configure.choose_runtime(host, runtime)
+    if why:
+        typer.echo(why)
+    if dry_run:
+        plan = (configure.plan_revert if revert else configure.plan_configure)(host, chosen, opts)
+        _render_plan(plan, dry_run=True)
+        return
+    with host.lock(records.LOCK):
+        plan = (configure.plan_revert if revert else configure.plan_configure)(host, chosen, opts)
+        do_restart = restart if restart is not None else host.is_real_root and plan.standard_location
+        _render_plan(plan, dry_run=False)
+        outcome = configure.apply(host, plan, restart=do_restart)
+    _render_outcome(outcome, do_restart)
+
+
+def _absolute(path: str | None, real_root: bool) -> str | None:
+    # On the real root a relative path means what the shell means; under --root only host paths make sense.
+    if path is None or path.startswith("/") or not real_root:
+        return path
+    return os.path.abspath(path)
+
+
+def _render_plan(plan: RuntimePlan, *, dry_run: bool) -> None:
+    for change in plan.pending:
+        sys.stdout.write(change.diff())
+    for message in plan.messages:
+        typer.echo(f"note: {message}")
+    if not plan.pending:
+        files = ", ".join(c.path for c in plan.changes)
+        typer.echo(
+            f"{plan.runtime}: nothing to revert ({files} already as before gpunode)"
+            if plan.revert
+            else f"{plan.runtime} is already configured: nothing to change ({files} untouched)"
+        )
+    elif dry_run:
+        typer.echo(f"dry run: {len(plan.pending)} file(s) would change; nothing was changed")
+
+
+def _render_outcome(outcome: Outcome, restarted: bool) -> None:
+    plan = outcome.plan
+    for path in outcome.written:
+        typer.echo(f"{'restored' if plan.revert else 'wrote'} {path}")
+    for path in outcome.removed:
+        typer.echo(f"removed {path}")
+    for backup in outcome.backups:
+        typer.echo(f"the original is kept in {backup}")
+    if outcome.restarted:
+        typer.echo(f"restarted {plan.unit}: {outcome.restarted}")
+    elif outcome.changed and not restarted:
+        typer.echo(f"restart {plan.runtime} for the change to take effect (systemctl restart {plan.unit})")
+    if outcome.changed and not plan.revert:
+        typer.echo(f"undo with: gpunode configure-runtime {plan.runtime} --revert")

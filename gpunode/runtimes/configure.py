@@ -1,0 +1,251 @@
+"""configure-runtime: choose the runtime, plan the change, apply it safely, restart and verify, or revert.
+
+detect → plan → apply → verify. Planning only reads; applying writes the backup, then the record of what
+changes, then each file atomically; a runtime that does not come back gets the previous files back.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from gpunode.errors import CommandFailed, GpunodeError, NotFound, UsageError
+from gpunode.host import Host
+from gpunode.kubelet import kubelet_runtime
+from gpunode.runtimes import containerd as ctd
+from gpunode.runtimes import docker_editor, records, service
+from gpunode.runtimes.containerd_editor import SOCKETS, UNITS, plan_containerd
+from gpunode.runtimes.crio_editor import plan_crio
+from gpunode.runtimes.docker_editor import plan_docker
+from gpunode.runtimes.edits import Format, JsonFormat, TomlFormat, undo_edits
+from gpunode.runtimes.plan import RUNTIMES, ConfigureOptions, FileChange, RuntimePlan
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_PROGRAMS = {"docker": ("dockerd",), "containerd": ("containerd",), "crio": ("crio",)}
+
+
+def choose_runtime(host: Host, requested: str | None) -> tuple[str, str | None]:
+    """(runtime, why it was chosen): the one named, else the one kubelet uses, else the one installed."""
+    if requested is not None:
+        if requested not in RUNTIMES:
+            raise UsageError(f"unknown runtime {requested!r}", f"name one of: {', '.join(RUNTIMES)}")
+        return requested, None
+    used = kubelet_runtime(host)
+    if used is not None:
+        return used, f"kubelet uses {used} (its container-runtime endpoint): configuring {used}"
+    installed = [r for r in RUNTIMES if any(host.which(p) for p in _PROGRAMS[r])]
+    if "containerd" not in installed and ctd.detect_location(host).flavour != "containerd":
+        installed.append("containerd")  # k3s / RKE2 / microk8s embed their own containerd
+    if len(installed) == 1:
+        return installed[0], f"{installed[0]} is the only container runtime installed: configuring it"
+    if not installed:
+        raise NotFound(
+            "no container runtime found (none of dockerd, containerd, crio is installed)",
+            "install one, or name the one to configure: gpunode configure-runtime containerd",
+        )
+    raise UsageError(
+        f"several container runtimes are installed ({', '.join(installed)}) and kubelet's configuration "
+        "does not say which one it uses",
+        f"name the one to configure, e.g. gpunode configure-runtime {installed[0]}",
+    )
+
+
+def check_options(opts: ConfigureOptions) -> None:
+    if not _NAME.match(opts.runtime_name):
+        raise UsageError(
+            f"invalid runtime name {opts.runtime_name!r}",
+            "use letters, digits, '.', '_' and '-' (e.g. nvidia)",
+        )
+    if not opts.runtime_path or any(c.isspace() for c in opts.runtime_path):
+        raise UsageError(f"invalid --runtime-path {opts.runtime_path!r}", "give the binary's absolute path")
+    for flag, value in (("--config", opts.config), ("--drop-in", opts.drop_in)):
+        if value is not None and not value.startswith("/"):
+            raise UsageError(f"{flag} needs an absolute path, not {value!r}")
+    if opts.drop_in and opts.in_place:
+        raise UsageError("--drop-in and --in-place cannot be used together")
+
+
+def plan_configure(host: Host, runtime: str, opts: ConfigureOptions) -> RuntimePlan:
+    check_options(opts)
+    planner: Callable[[Host, ConfigureOptions], RuntimePlan] = {
+        "docker": plan_docker,
+        "containerd": plan_containerd,
+        "crio": plan_crio,
+    }[runtime]
+    plan = planner(host, opts)
+    binary = opts.runtime_path
+    if binary.startswith("/") and not host.exists(binary):
+        plan = replace(
+            plan,
+            messages=(
+                *plan.messages,
+                f"{binary} does not exist yet: install nvidia-container-toolkit before pods use this runtime",
+            ),
+        )
+    return plan
+
+
+def plan_revert(host: Host, runtime: str, opts: ConfigureOptions) -> RuntimePlan:
+    """Put back every file gpunode changed for `runtime` (or only --config / --drop-in when given)."""
+    known = records.load(host).for_runtime(runtime)
+    wanted = {p for p in (opts.config, opts.drop_in) if p}
+    if wanted:
+        known = [r for r in known if r.path in wanted]
+    if not known:
+        raise NotFound(
+            f"gpunode has no record of changing {runtime}'s configuration"
+            + (f" in {', '.join(sorted(wanted))}" if wanted else "")
+            + ": nothing to revert",
+            f"see {records.RECORDS} for what gpunode changed",
+        )
+    changes: list[FileChange] = []
+    messages: list[str] = []
+    for record in known:
+        change, notes = _revert_file(host, record)
+        changes.append(change)
+        messages.extend(notes)
+    unit, socket, flavour = _service_of(host, runtime)
+    return RuntimePlan(
+        runtime=runtime,
+        changes=tuple(changes),
+        messages=tuple(messages),
+        unit=unit,
+        socket=socket,
+        flavour=flavour,
+        standard_location=opts.config is None,
+        revert=True,
+    )
+
+
+def _revert_file(host: Host, record: records.FileRecord) -> tuple[FileChange, list[str]]:
+    current = host.read_text_if_exists(record.path)
+    digest = records.sha256(current)
+    if digest == record.original_sha256:
+        note = f"{record.path} is already as it was before gpunode"
+        return FileChange(record.path, current, current), [note]
+    original: str | None = None
+    have_original = record.backup is None or host.exists(record.backup)
+    if record.backup is not None and have_original:
+        original = host.read_text(record.backup)
+    if digest == record.written_sha256 and have_original:
+        return FileChange(record.path, current, original), []  # byte for byte what was there before
+    if current is None:
+        return FileChange(record.path, None, None), [f"{record.path} was removed since gpunode changed it"]
+    if record.owned:
+        note = f"{record.path} exists only for gpunode and is removed (edits made in it since go with it)"
+        return FileChange(record.path, current, None), [note]
+    fmt: Format = JsonFormat() if record.runtime == "docker" else TomlFormat()
+    doc = fmt.parse(current, record.path)
+    notes = undo_edits(fmt, doc, record.edits)
+    why = "was edited since gpunode changed it" if have_original else f"has no backup left ({record.backup})"
+    notes.insert(0, f"{record.path} {why}: removing only what gpunode added")
+    return FileChange(record.path, current, fmt.render(doc, current), mode=0o644), notes
+
+
+def _service_of(host: Host, runtime: str) -> tuple[str, str, str]:
+    if runtime == "docker":
+        return docker_editor.UNIT, docker_editor.SOCKET, ""
+    if runtime == "crio":
+        from gpunode.runtimes import crio_editor
+
+        return crio_editor.UNIT, crio_editor.SOCKET, ""
+    flavour = ctd.detect_location(host).flavour
+    return UNITS[flavour], SOCKETS[flavour], flavour
+
+
+@dataclass
+class Outcome:
+    plan: RuntimePlan
+    written: list[str] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+    backups: list[str] = field(default_factory=list)
+    restarted: str | None = None  # what the restarted runtime said
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.written or self.removed)
+
+
+def apply(
+    host: Host,
+    plan: RuntimePlan,
+    *,
+    restart: bool,
+    ready_timeout: float = service.READY_TIMEOUT,
+) -> Outcome:
+    """Carry the plan out: backups and records first, then each file atomically, then restart + verify.
+
+    Any failure puts back the files this run changed (and the records), so the node is left as it was.
+    """
+    outcome = Outcome(plan)
+    old_records = records.load(host)
+    new_records = records.Records(dict(old_records.files))
+    for change in plan.changes:
+        if plan.revert:
+            new_records.files.pop(change.path, None)
+        elif change.changed:
+            new_records.files[change.path] = old_records.updated(
+                plan.runtime, change.path, change.before, change.after, change.edits, owned=change.owned
+            )
+    pending = plan.pending
+    if not pending and new_records.files == old_records.files:
+        return outcome
+    for change in pending:
+        if not plan.revert and change.path not in old_records.files and change.before is not None:
+            host.remove_file(records.backup_path(change.path))  # a stale copy from an older cycle
+    # The record goes first: a crash after it leaves files that are still the originals, which revert
+    # recognises by their checksum.
+    records.save(host, new_records)
+    done: list[FileChange] = []
+    try:
+        for change in pending:
+            _write(host, change, plan, first=change.path not in old_records.files, outcome=outcome)
+            done.append(change)
+        if restart and pending:
+            service.restart(host, plan)
+            outcome.restarted = service.wait_until_ready(host, plan, timeout=ready_timeout)
+    except (GpunodeError, OSError) as exc:
+        restored = _roll_back(host, done, old_records)
+        if restart and done and isinstance(exc, CommandFailed):
+            try:
+                service.restart(host, plan)
+            except GpunodeError as again:
+                restored += f"; restarting {plan.unit} with it failed too: {again.message}"
+        if isinstance(exc, GpunodeError):
+            exc.message += f"\n{restored}"
+            raise
+        raise CommandFailed(f"writing the configuration failed: {exc}\n{restored}") from exc
+    if plan.revert:
+        for record_path in (c.path for c in plan.changes):
+            old = old_records.files.get(record_path)
+            if old is not None and old.backup is not None:
+                host.remove_file(old.backup)
+    return outcome
+
+
+def _write(host: Host, change: FileChange, plan: RuntimePlan, *, first: bool, outcome: Outcome) -> None:
+    if change.after is None:
+        host.remove_file(change.path)
+        outcome.removed.append(change.path)
+        return
+    keep_original = first and not plan.revert and change.before is not None
+    backup = records.backup_path(change.path) if keep_original else None
+    result = host.write_file(
+        change.path, change.after, mode=change.mode, backup_to=backup, make_parents=plan.standard_location
+    )
+    outcome.written.append(change.path)
+    if result.backup is not None and backup is not None:
+        outcome.backups.append(backup)
+
+
+def _roll_back(host: Host, done: list[FileChange], old_records: records.Records) -> str:
+    for change in reversed(done):
+        if change.before is None:
+            host.remove_file(change.path)
+        else:
+            host.write_file(change.path, change.before)
+    records.save(host, old_records)
+    if not done:
+        return "gpunode changed no file."
+    return "gpunode put back the previous content of " + ", ".join(c.path for c in done) + "."

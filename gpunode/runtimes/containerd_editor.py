@@ -1,0 +1,309 @@
+"""Plan the changes to containerd's configuration that add the nvidia runtime.
+
+In place (the default) the main file's CRI table gains the runtime; with a drop-in, a separate file
+carries it and the main file gains an absolute `imports` entry. k3s and RKE2 regenerate config.toml at
+every start, so their template is edited instead (made from the generated file when there is none yet).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import posixpath
+from collections.abc import Mapping, MutableMapping
+from typing import Any
+
+from gpunode.errors import ConfigError, NotFound, UsageError
+from gpunode.host import Host
+from gpunode.runtimes import containerd as ctd
+from gpunode.runtimes.edits import ABSENT, Editor, TomlFormat, lookup, new_toml_document, plain
+from gpunode.runtimes.plan import ConfigureOptions, FileChange, RuntimePlan
+
+RUNC_V2 = "io.containerd.runc.v2"
+UNITS = {
+    "containerd": "containerd.service",
+    "k3s": "k3s.service",
+    "rke2": "rke2-server.service",
+    "microk8s": "snap.microk8s.daemon-containerd.service",
+}
+SOCKETS = {
+    "containerd": "/run/containerd/containerd.sock",
+    "k3s": "/run/k3s/containerd/containerd.sock",
+    "rke2": "/run/k3s/containerd/containerd.sock",
+    "microk8s": "/var/snap/microk8s/common/run/containerd.sock",
+}
+DROPIN_HEADER = (
+    "Written by `gpunode configure-runtime containerd --drop-in`: the NVIDIA runtime.\n"
+    "containerd before 2.1 replaces the whole CRI plugin table from an imported file, so this file carries\n"
+    "a complete copy of it: change CRI settings here, not in the main file.\n"
+    "`gpunode configure-runtime containerd --revert` removes this file and its imports entry."
+)
+
+
+def plan_containerd(host: Host, opts: ConfigureOptions) -> RuntimePlan:
+    installed = ctd.installed_containerd_version(host)
+    messages: list[str] = []
+    flavour = "containerd"
+    if opts.config is not None:
+        path, base_text = opts.config, host.read_text_if_exists(opts.config)
+    else:
+        location = ctd.detect_location(host)
+        flavour = location.flavour
+        path, base_text = _target(host, location, messages)
+    text = host.read_text_if_exists(path)
+    if (path.endswith(".tmpl") or path == ctd.MICROK8S_TEMPLATE) and ctd.has_go_template_syntax(
+        base_text or ""
+    ):
+        raise ConfigError(
+            f"{path} is a Go template ({{{{ ... }}}}), which gpunode cannot edit safely as TOML",
+            "add the runtime to the template by hand (see `gpunode configure-runtime containerd --dry-run "
+            "--config /tmp/config.toml` for the TOML to add), or remove the template syntax",
+        )
+    fmt = TomlFormat()
+    doc = fmt.parse(base_text or "", path)
+    version = ctd.detect_version(plain(doc), installed[0] if installed else None, path=path)
+    _check_version(path, version, installed)
+    if ctd.cri_disabled(plain(doc)):
+        raise ConfigError(
+            f"{path} disables the CRI plugin (disabled_plugins): kubelet cannot use this containerd, so "
+            "adding a runtime to it would change nothing",
+            f'remove "cri" from disabled_plugins in {path} if kubelet should use this containerd',
+        )
+    if not plain(doc):
+        doc["version"] = version
+        if base_text is not None and base_text.strip():
+            messages.append(f"{path} holds only comments; gpunode writes a version {version} configuration")
+    merged = _merged(host, path, plain(doc), installed)
+
+    changes: list[FileChange] = []
+    if opts.drop_in is None:
+        _refuse_overriding_imports(host, path, plain(doc), version, installed)
+        editor = Editor(fmt, doc)
+        _add_nvidia(editor, merged, version, opts, messages)
+        after = fmt.render(doc, text) if editor.edits or text != base_text else text
+        changes.append(FileChange(path, text, after, tuple(editor.edits)))
+    else:
+        changes.extend(
+            _drop_in_changes(
+                host,
+                fmt=fmt,
+                path=path,
+                text=text,
+                main_doc=doc,
+                merged=merged,
+                version=version,
+                installed=installed,
+                opts=opts,
+                messages=messages,
+            )
+        )
+    if opts.cdi and installed is not None and installed < (1, 7):
+        messages.append(
+            f"containerd {installed[0]}.{installed[1]} ignores enable_cdi: CDI needs containerd 1.7 or later"
+        )
+    if flavour in ("k3s", "rke2"):
+        messages.append(f"{flavour} renders config.toml from the template when it restarts")
+    return RuntimePlan(
+        runtime="containerd",
+        changes=tuple(changes),
+        messages=tuple(messages),
+        unit=UNITS[flavour],
+        socket=SOCKETS[flavour],
+        flavour=flavour,
+        standard_location=opts.config is None,
+        expect=(opts.runtime_name, opts.set_as_default),
+    )
+
+
+def _target(host: Host, location: ctd.ConfigLocation, messages: list[str]) -> tuple[str, str | None]:
+    """(the file to edit, its current text or the text it starts from)."""
+    if not location.regenerated:
+        return location.config_path, host.read_text_if_exists(location.config_path)
+    if location.template_path is not None:
+        return location.template_path, host.read_text(location.template_path)
+    generated = host.read_text_if_exists(location.config_path)
+    if generated is None:
+        raise NotFound(
+            f"{location.flavour} has not generated {location.config_path} yet, and there is no template",
+            f"start {location.flavour} once so that it writes its containerd configuration, then run this "
+            "command again",
+        )
+    template = location.template_candidates[-1]  # config.toml.tmpl: the name every k3s/RKE2 release reads
+    messages.append(
+        f"{location.flavour} regenerates {location.config_path} at every start: gpunode creates {template} "
+        "from it and edits that instead"
+    )
+    return template, generated
+
+
+def _check_version(path: str, version: int, installed: tuple[int, int] | None) -> None:
+    if installed is None:
+        return
+    if installed[0] < 2 and version == 3:
+        raise ConfigError(
+            f"{path} is a version 3 configuration, but containerd {installed[0]}.{installed[1]} is "
+            "installed: 1.6 ignores such a file without a word and 1.7 refuses to start",
+            f"write {path} as version 2 (`containerd config default` prints one)",
+        )
+
+
+def _merged(
+    host: Host, path: str, main: Mapping[str, Any], installed: tuple[int, int] | None
+) -> dict[str, Any]:
+    """The effective configuration: the main file (as it is being edited) with its imports merged in."""
+    merged = dict(main)
+    replace = installed is None or installed < (2, 1)
+    seen = {path}
+    pending = list(ctd.resolve_imports(host, path, main.get("imports")).paths)
+    while pending:
+        current = pending.pop(0)
+        if current in seen:
+            continue
+        seen.add(current)
+        doc = ctd.parse_toml(host.read_text(current), current)
+        merged = ctd.merge_config(merged, doc, replace_plugins=replace)
+        pending.extend(ctd.resolve_imports(host, current, doc.get("imports")).paths)
+    return merged
+
+
+def _refuse_overriding_imports(
+    host: Host, path: str, main: Mapping[str, Any], version: int, installed: tuple[int, int] | None
+) -> None:
+    if installed is not None and installed >= (2, 1):
+        return
+    cri = ctd.cri_table_path(version)
+    for imported in ctd.resolve_imports(host, path, main.get("imports")).paths:
+        doc = ctd.parse_toml(host.read_text(imported), imported)
+        if lookup(doc, cri[:2]) is not ABSENT:
+            raise ConfigError(
+                f"{imported}, imported by {path}, defines the CRI plugin table, which replaces the main "
+                "file's (containerd before 2.1 does not merge imported plugin tables): a runtime added to "
+                f"{path} would be ignored",
+                f"configure that file instead (--config {imported}), or use --drop-in to write a complete "
+                "CRI table imported after it",
+            )
+
+
+def _reference_runtime(runtimes: Mapping[str, Mapping[str, Any]], default: str, name: str) -> dict[str, Any]:
+    """The runtime pods get today (default, else runc, else crun) if it is a runc-type runtime: the nvidia
+    runtime is a copy of it with another binary, so it keeps SystemdCgroup and every other option."""
+    for candidate in (default, "runc", "crun"):
+        entry = runtimes.get(candidate)
+        if candidate != name and entry is not None and entry.get("runtime_type", RUNC_V2) == RUNC_V2:
+            return dict(plain(entry))
+    return {}
+
+
+def _add_nvidia(
+    editor: Editor,
+    merged: Mapping[str, Any],
+    version: int,
+    opts: ConfigureOptions,
+    messages: list[str],
+) -> None:
+    cri = ctd.cri_table_path(version)
+    runtimes_path = (*cri, "containerd", "runtimes")
+    runtimes = ctd.configured_runtimes(merged, version)
+    default = ctd.default_runtime_name(merged, version)
+    reference = _reference_runtime(runtimes, default, opts.runtime_name)
+    if not ctd.defines_runtimes_table(merged, version):
+        # Without a runtimes table containerd has runc built in; a table with only nvidia would lose it.
+        editor.set((*runtimes_path, ctd.BUILTIN_DEFAULT_RUNTIME), {"runtime_type": RUNC_V2})
+    existing = lookup(editor.doc, (*runtimes_path, opts.runtime_name))
+    if existing is ABSENT:
+        entry = {k: v for k, v in reference.items() if k != "options"}
+        entry["runtime_type"] = RUNC_V2
+        options = dict(reference.get("options") or {})
+        options["BinaryName"] = opts.runtime_path
+        entry["options"] = options
+        editor.set((*runtimes_path, opts.runtime_name), entry)
+        if reference:
+            messages.append(f'the "{opts.runtime_name}" runtime copies the options of the current default')
+    else:
+        entry_path = (*runtimes_path, opts.runtime_name)
+        if not isinstance(existing, dict):
+            raise ConfigError(f"runtime {opts.runtime_name!r} must be a table")
+        if existing.get("runtime_type") != RUNC_V2:
+            editor.set((*entry_path, "runtime_type"), RUNC_V2)
+        editor.set((*entry_path, "options", "BinaryName"), opts.runtime_path)
+        ref_cgroup = (reference.get("options") or {}).get("SystemdCgroup")
+        if ref_cgroup is True and editor.set((*entry_path, "options", "SystemdCgroup"), True):
+            messages.append(
+                f'added SystemdCgroup = true to "{opts.runtime_name}", as the default runtime has it: '
+                "without it pods are killed on systemd-cgroup nodes"
+            )
+    if opts.set_as_default:
+        containerd_table = ctd.get_table(ctd.cri_table(merged, version), ("containerd",)) or {}
+        legacy = containerd_table.get("default_runtime") if version < 3 else None
+        if isinstance(legacy, Mapping) and legacy.get("runtime_type"):
+            raise ConfigError(
+                "the deprecated [...containerd.default_runtime] table is set, and containerd lets it win "
+                "over default_runtime_name",
+                "remove that table (move its settings to a named runtime under runtimes), then run again",
+            )
+        editor.set((*cri, "containerd", "default_runtime_name"), opts.runtime_name)
+    if opts.cdi:
+        if version == 1:
+            raise ConfigError(
+                "CDI needs a version 2 (or 3) containerd configuration; this one is version 1",
+                "convert the file to version 2 (`containerd config migrate`), or leave out --cdi",
+            )
+        editor.set((*cri, "enable_cdi"), True)
+
+
+def _drop_in_changes(
+    host: Host,
+    *,
+    fmt: TomlFormat,
+    path: str,
+    text: str | None,
+    main_doc: MutableMapping[str, Any],
+    merged: Mapping[str, Any],
+    version: int,
+    installed: tuple[int, int] | None,
+    opts: ConfigureOptions,
+    messages: list[str],
+) -> list[FileChange]:
+    dropin = opts.drop_in or ""
+    if not posixpath.isabs(dropin):
+        raise UsageError(
+            f"--drop-in needs an absolute path, not {dropin!r}",
+            "containerd 1.6 resolves relative imports against its working directory",
+        )
+    if dropin == path:
+        raise UsageError("--drop-in must name a file other than the main configuration")
+    drop_text = host.read_text_if_exists(dropin)
+    drop_doc = fmt.parse(drop_text, dropin) if drop_text is not None else new_toml_document(DROPIN_HEADER)
+    if drop_text is None:
+        drop_doc["version"] = version
+    drop_editor = Editor(fmt, drop_doc)
+    cri = ctd.cri_table_path(version)
+    if installed is None or installed < (2, 1):
+        # The drop-in's CRI table replaces the merged one wholesale: carry every setting over.
+        for key, value in plain(ctd.cri_table(merged, version)).items():
+            if lookup(drop_doc, (*cri, key)) is ABSENT:
+                drop_editor.set((*cri, key), value)
+        messages.append(
+            f"{dropin} carries a complete copy of the CRI plugin table (containerd before 2.1 replaces "
+            "imported plugin tables)"
+        )
+    _add_nvidia(drop_editor, merged, version, opts, messages)
+    after = fmt.render(drop_doc, drop_text) if drop_editor.edits else drop_text
+    changes = [FileChange(dropin, drop_text, after, tuple(drop_editor.edits), owned=drop_text is None)]
+
+    main_editor = Editor(fmt, main_doc)
+    imports = ctd.resolve_imports(host, path, main_doc.get("imports"))
+    already = dropin in imports.paths or any(_glob_matches(p, dropin) for p in _import_patterns(main_doc))
+    if not already:
+        main_editor.append(("imports",), dropin)
+    main_after = fmt.render(main_doc, text) if main_editor.edits or text is None else text
+    changes.append(FileChange(path, text, main_after, tuple(main_editor.edits)))
+    return changes
+
+
+def _import_patterns(doc: Mapping[str, Any]) -> list[str]:
+    imports = doc.get("imports")
+    return [p for p in plain(imports) if isinstance(p, str)] if isinstance(imports, list) else []
+
+
+def _glob_matches(pattern: str, path: str) -> bool:
+    return posixpath.isabs(pattern) and fnmatch.fnmatchcase(path, pattern)

@@ -1,0 +1,367 @@
+"""Key-level edits of a configuration document, recorded so that they can be undone one by one.
+
+Every change `configure-runtime` makes is an Edit: a key path, the value before (or ABSENT) and the value
+after. The list of edits is kept with the backup; `--revert` on a file the user has changed since uses it
+to take back only what gpunode set, leaving everything else as the user left it.
+
+Two document formats share this: JSON (docker's daemon.json; plain dicts) and TOML (containerd, CRI-O;
+tomlkit documents, edited in place so that comments, key order, quoting and blank lines survive).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, MutableMapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import tomlkit
+from tomlkit.container import Container
+from tomlkit.exceptions import ParseError, TOMLKitError
+from tomlkit.items import AoT, Item, Table, Whitespace
+
+from gpunode.errors import ConfigError
+
+
+class _Absent:
+    """The value of a key that is not there (distinct from null / an empty string)."""
+
+    _instance: _Absent | None = None
+
+    def __new__(cls) -> _Absent:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "ABSENT"
+
+
+ABSENT: Any = _Absent()
+
+
+@dataclass(frozen=True)
+class Edit:
+    """One key gpunode set. op "set": `path` now holds `after`; op "append": `after` was appended to the
+    list at `path`; op "table": gpunode created the (empty) table at `path` to hold its keys."""
+
+    path: tuple[str, ...]
+    before: Any
+    after: Any
+    op: str = "set"
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"path": list(self.path), "op": self.op, "after": self.after}
+        if self.before is not ABSENT:
+            data["before"] = self.before
+        return data
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Edit:
+        return cls(tuple(data["path"]), data.get("before", ABSENT), data.get("after"), data.get("op", "set"))
+
+    def describe(self) -> str:
+        return ".".join(f'"{k}"' if "." in k else k for k in self.path)
+
+
+def plain(value: Any) -> Any:
+    """tomlkit items (and nested containers) as plain Python values."""
+    if isinstance(value, Mapping):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [plain(v) for v in value]
+    unwrap = getattr(value, "unwrap", None)
+    return unwrap() if callable(unwrap) else value
+
+
+def lookup(doc: Mapping[str, Any], path: Sequence[str]) -> Any:
+    """The plain value at `path`, or ABSENT (also when something on the way is not a table)."""
+    current: Any = doc
+    for key in path:
+        if not isinstance(current, Mapping) or key not in current:
+            return ABSENT
+        current = current[key]
+    return plain(current)
+
+
+class Format(Protocol):
+    """How one file format is parsed, edited key by key, and written back."""
+
+    name: str
+
+    def parse(self, text: str, path: str) -> MutableMapping[str, Any]: ...
+
+    def render(self, doc: MutableMapping[str, Any], original: str | None) -> str: ...
+
+    def set(self, doc: MutableMapping[str, Any], path: Sequence[str], value: Any) -> None: ...
+
+    def delete(self, doc: MutableMapping[str, Any], path: Sequence[str]) -> None: ...
+
+
+class Editor:
+    """Applies edits to one document through its Format and keeps the list of what it changed."""
+
+    def __init__(self, fmt: Format, doc: MutableMapping[str, Any]) -> None:
+        self.fmt = fmt
+        self.doc = doc
+        self.edits: list[Edit] = []
+
+    def set(self, path: Sequence[str], value: Any) -> bool:
+        """Set `path` to `value` unless it already holds it; True when something changed."""
+        path = tuple(path)
+        before = lookup(self.doc, path)
+        if before == value:
+            return False
+        self._record_created_tables(path)
+        self.fmt.set(self.doc, path, value)
+        self.edits.append(Edit(path, before, value))
+        return True
+
+    def append(self, path: Sequence[str], item: Any) -> bool:
+        path = tuple(path)
+        before = lookup(self.doc, path)
+        if before is ABSENT:
+            self._record_created_tables(path)
+            self.fmt.set(self.doc, path, [item])
+        elif not isinstance(before, list):
+            raise ConfigError(f"{Edit(path, None, None).describe()} must be a list")
+        elif item in before:
+            return False
+        else:
+            _container_at(self.doc, path[:-1])[path[-1]].append(item)
+        self.edits.append(Edit(path, before, item, op="append"))
+        return True
+
+    def _record_created_tables(self, path: tuple[str, ...]) -> None:
+        for depth in range(1, len(path)):
+            if lookup(self.doc, path[:depth]) is ABSENT:
+                self.edits.append(Edit(path[:depth], ABSENT, {}, op="table"))
+
+
+def undo_edits(fmt: Format, doc: MutableMapping[str, Any], edits: Sequence[Edit]) -> list[str]:
+    """Take back `edits` (newest first) from a document the user may have changed since.
+
+    A key is put back only while it still holds what gpunode set; a table gpunode added is removed even if
+    the user tuned it (it exists only because of gpunode). Returns notes on what was left alone.
+    """
+    notes: list[str] = []
+    for edit in reversed(edits):
+        current = lookup(doc, edit.path)
+        if edit.op == "append":
+            if isinstance(current, list) and edit.after in current:
+                remaining = [v for v in current if v != edit.after]
+                if remaining or edit.before is not ABSENT:
+                    fmt.set(doc, edit.path, remaining)
+                else:
+                    fmt.delete(doc, edit.path)
+            continue
+        if edit.op == "table":
+            if current == {}:
+                fmt.delete(doc, edit.path)
+            continue
+        if current is ABSENT and edit.before is ABSENT:
+            continue
+        gpunode_made_table = edit.before is ABSENT and isinstance(edit.after, dict)
+        if current == edit.after or gpunode_made_table:
+            if edit.before is ABSENT:
+                fmt.delete(doc, edit.path)
+            else:
+                fmt.set(doc, edit.path, edit.before)
+        else:
+            notes.append(f"left {edit.describe()} as it is: it was changed after gpunode set it")
+    return notes
+
+
+def _container_at(doc: MutableMapping[str, Any], path: Sequence[str]) -> MutableMapping[str, Any]:
+    current: Any = doc
+    for key in path:
+        current = current[key]
+    if not isinstance(current, MutableMapping):
+        raise ConfigError(f"{Edit(tuple(path), None, None).describe()} must be a table")
+    return current
+
+
+def _parents(doc: MutableMapping[str, Any], path: Sequence[str], make: Any) -> MutableMapping[str, Any]:
+    current: MutableMapping[str, Any] = doc
+    for depth, key in enumerate(path):
+        if key not in current:
+            current[key] = make()
+        value = current[key]
+        if not isinstance(value, MutableMapping):
+            raise ConfigError(f"{Edit(tuple(path[: depth + 1]), None, None).describe()} must be a table")
+        current = value
+    return current
+
+
+# -- JSON (daemon.json) -----------------------------------------------------------------------------
+
+
+class JsonFormat:
+    """daemon.json: key order is kept (dicts are ordered) and the file's own indentation is reused."""
+
+    name = "json"
+
+    def parse(self, text: str, path: str) -> MutableMapping[str, Any]:
+        if not text.strip():
+            return {}
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(
+                f"{path} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}",
+                f"correct line {exc.lineno} of {path}; gpunode left the file untouched",
+            ) from None
+        if not isinstance(data, dict):
+            raise ConfigError(
+                f"{path} must hold a JSON object ({{...}}) at the top level",
+                f"make {path} a JSON object, e.g. {{}}",
+            )
+        return data
+
+    def render(self, doc: MutableMapping[str, Any], original: str | None) -> str:
+        return json.dumps(doc, indent=json_indent(original), ensure_ascii=False) + "\n"
+
+    def set(self, doc: MutableMapping[str, Any], path: Sequence[str], value: Any) -> None:
+        _parents(doc, path[:-1], dict)[path[-1]] = value
+
+    def delete(self, doc: MutableMapping[str, Any], path: Sequence[str]) -> None:
+        parent = _container_at(doc, path[:-1])
+        parent.pop(path[-1], None)
+
+
+def json_indent(text: str | None) -> str | int | None:
+    """The indentation a JSON file uses: its first indented line's leading whitespace.
+
+    A file with no line breaks inside stays on one line; a new or empty file gets 4 spaces.
+    """
+    if text is None or not text.strip():
+        return 4
+    body = text.strip()
+    if "\n" not in body:
+        return None
+    found = re.search(r"\n([ \t]+)\S", body)
+    if found is None:
+        return 4
+    indent = found.group(1)
+    return indent if "\t" in indent else len(indent)
+
+
+# -- TOML (containerd, CRI-O) -----------------------------------------------------------------------
+
+
+class TomlFormat:
+    """TOML through tomlkit, which keeps comments, order, quoting and whitespace of what it does not touch.
+
+    New keys and tables copy the indentation of their neighbours, so an indented file (containerd's
+    default config) stays consistently indented.
+    """
+
+    name = "toml"
+
+    def parse(self, text: str, path: str) -> MutableMapping[str, Any]:
+        try:
+            return tomlkit.parse(text)
+        except ParseError as exc:
+            reason = re.sub(r"\s*at line \d+ col \d+\s*$", "", str(exc))
+            raise ConfigError(
+                f"{path} is not valid TOML: {reason} (line {exc.line}, column {exc.col + 1})",
+                f"correct line {exc.line} of {path}; gpunode left the file untouched",
+            ) from None
+        except TOMLKitError as exc:
+            raise ConfigError(f"{path} is not valid TOML: {exc}", f"correct {path}") from None
+
+    def render(self, doc: MutableMapping[str, Any], original: str | None) -> str:
+        text = tomlkit.dumps(doc)
+        # A table appended at the end carries the blank line that separates it from a following one.
+        if text.endswith("\n\n") and not (original or "").endswith("\n\n"):
+            text = text.rstrip("\n") + "\n"
+        return text
+
+    def set(self, doc: MutableMapping[str, Any], path: Sequence[str], value: Any) -> None:
+        parent = _parents(doc, path[:-1], lambda: tomlkit.table(is_super_table=True))
+        key = path[-1]
+        if isinstance(value, Mapping):
+            like = _sibling_table(parent)
+            if key in parent:
+                del parent[key]
+            parent[key] = _styled_table(value, like)
+            _indent_like(_raw_item(parent, key), like)  # after insertion: tomlkit adds the parent's indent
+            return
+        if key in parent:
+            parent[key] = value  # tomlkit keeps the key's comment and indentation
+            return
+        indent = _key_indent(parent)
+        parent[key] = value
+        item = _raw_item(parent, key)
+        if item is not None and indent:
+            item.trivia.indent = indent
+
+    def delete(self, doc: MutableMapping[str, Any], path: Sequence[str]) -> None:
+        parent = _container_at(doc, path[:-1])
+        if path[-1] in parent:
+            del parent[path[-1]]
+
+
+def new_toml_document(header: str | None = None) -> MutableMapping[str, Any]:
+    doc = tomlkit.document()
+    if header:
+        for line in header.splitlines():
+            doc.add(tomlkit.comment(line))
+        doc.add(tomlkit.nl())
+    return doc
+
+
+def _body(container: Any) -> list[tuple[Any, Item]]:
+    if isinstance(container, Table):
+        return list(container.value.body)
+    if isinstance(container, Container):
+        return list(container.body)
+    return []
+
+
+def _raw_item(container: Any, key: str) -> Item | None:
+    for k, item in _body(container):
+        if k is not None and k.key == key:
+            return item
+    return None
+
+
+def _key_indent(container: Any) -> str:
+    for k, item in _body(container):
+        if k is not None and not isinstance(item, (Table, AoT)):
+            return str(item.trivia.indent)
+    return ""
+
+
+def _sibling_table(container: Any) -> Table | None:
+    tables = [item for k, item in _body(container) if k is not None and isinstance(item, Table)]
+    return tables[-1] if tables else None
+
+
+def _styled_table(value: Mapping[str, Any], like: Table | None) -> Table:
+    """A new table with the look of `like` (a sibling): key indentation, a blank line before its
+    sub-tables and after it, as containerd's own generated file has."""
+    table = tomlkit.table()
+    key_indent = _key_indent(like) if like is not None else ""
+    sub_like = _sibling_table(like) if like is not None else None
+    scalars = {k: v for k, v in value.items() if not isinstance(v, Mapping)}
+    tables = {k: v for k, v in value.items() if isinstance(v, Mapping)}
+    for key, item in scalars.items():
+        table.add(key, item)
+        raw = _raw_item(table, key)
+        if raw is not None and key_indent:
+            raw.trivia.indent = key_indent
+    if scalars and tables:
+        table.add(Whitespace("\n"))
+    for key, item in tables.items():
+        table.add(key, _styled_table(item, sub_like))
+        _indent_like(_raw_item(table, key), sub_like)
+    if not tables:
+        table.add(Whitespace("\n"))
+    return table
+
+
+def _indent_like(item: Item | None, like: Table | None) -> None:
+    if item is not None and like is not None:
+        item.trivia.indent = like.trivia.indent
