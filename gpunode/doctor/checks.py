@@ -579,12 +579,10 @@ EMBEDDED_FIX = {
 
 
 def _configure_fix(name: str, embedded: str | None = None, *, default: bool = False) -> str:
-    if embedded:
-        template, restart = EMBEDDED_FIX[embedded]
-        what = "the nvidia runtime" + (" and make it default_runtime_name" if default else "")
-        return f"add {what} in {template} (start from a copy of the generated config), then {restart}"
+    # gpunode edits k3s/RKE2/microk8s templates itself, and restarts and checks the runtime.
+    runtime = "containerd" if embedded else name
     flag = " --set-as-default" if default else ""
-    return f"`nvidia-ctk runtime configure --runtime={name}{flag}` then `systemctl restart {name}`"
+    return f"`gpunode configure-runtime {runtime}{flag}` (`--dry-run` first shows the diff)"
 
 
 # -- kubelet and the device plugin --------------------------------------------------------------

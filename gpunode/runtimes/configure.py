@@ -15,7 +15,7 @@ from gpunode.host import Host
 from gpunode.kubelet import kubelet_runtime
 from gpunode.runtimes import containerd as ctd
 from gpunode.runtimes import docker_editor, records, service
-from gpunode.runtimes.containerd_editor import SOCKETS, UNITS, plan_containerd
+from gpunode.runtimes.containerd_editor import SOCKETS, plan_containerd, unit_for
 from gpunode.runtimes.crio_editor import plan_crio
 from gpunode.runtimes.docker_editor import plan_docker
 from gpunode.runtimes.edits import Format, JsonFormat, TomlFormat, undo_edits
@@ -151,7 +151,7 @@ def _service_of(host: Host, runtime: str) -> tuple[str, str, str]:
 
         return crio_editor.UNIT, crio_editor.SOCKET, ""
     flavour = ctd.detect_location(host).flavour
-    return UNITS[flavour], SOCKETS[flavour], flavour
+    return unit_for(host, flavour), SOCKETS[flavour], flavour
 
 
 @dataclass

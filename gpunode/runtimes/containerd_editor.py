@@ -20,11 +20,12 @@ from gpunode.runtimes.plan import ConfigureOptions, FileChange, RuntimePlan
 
 RUNC_V2 = "io.containerd.runc.v2"
 UNITS = {
-    "containerd": "containerd.service",
-    "k3s": "k3s.service",
-    "rke2": "rke2-server.service",
-    "microk8s": "snap.microk8s.daemon-containerd.service",
+    "containerd": ("containerd.service",),
+    "k3s": ("k3s.service", "k3s-agent.service"),
+    "rke2": ("rke2-server.service", "rke2-agent.service"),
+    "microk8s": ("snap.microk8s.daemon-containerd.service",),
 }
+UNIT_DIRS = ("/etc/systemd/system", "/usr/lib/systemd/system", "/lib/systemd/system")
 SOCKETS = {
     "containerd": "/run/containerd/containerd.sock",
     "k3s": "/run/k3s/containerd/containerd.sock",
@@ -106,12 +107,21 @@ def plan_containerd(host: Host, opts: ConfigureOptions) -> RuntimePlan:
         runtime="containerd",
         changes=tuple(changes),
         messages=tuple(messages),
-        unit=UNITS[flavour],
+        unit=unit_for(host, flavour),
         socket=SOCKETS[flavour],
         flavour=flavour,
         standard_location=opts.config is None,
         expect=(opts.runtime_name, opts.set_as_default),
     )
+
+
+def unit_for(host: Host, flavour: str) -> str:
+    """The unit that runs this containerd: a k3s/RKE2 agent has its own unit name, found by its file."""
+    candidates = UNITS[flavour]
+    for unit in candidates:
+        if any(host.is_file(f"{directory}/{unit}") for directory in UNIT_DIRS):
+            return unit
+    return candidates[0]
 
 
 def _target(host: Host, location: ctd.ConfigLocation, messages: list[str]) -> tuple[str, str | None]:

@@ -172,7 +172,7 @@ def test_runtime_not_configured(
         check["summary"]
         == "containerd, service active: no nvidia runtime configured (kubelet uses this runtime)"
     )
-    assert "--runtime=containerd" in check["fix"]
+    assert check["fix"] == "`gpunode configure-runtime containerd` (`--dry-run` first shows the diff)"
 
 
 def test_runtime_configured_but_not_default(
