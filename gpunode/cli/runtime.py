@@ -89,7 +89,11 @@ def configure_runtime(
         do_restart = restart if restart is not None else host.is_real_root and plan.standard_location
         _render_plan(plan, dry_run=False)
         outcome = configure.apply(host, plan, restart=do_restart)
-    _render_outcome(outcome, do_restart)
+    hint = ["gpunode"] + ([f"--root {host.root}"] if not host.is_real_root else [])
+    hint += ["configure-runtime", plan.runtime, "--revert"] + (
+        [f"--config {opts.config}"] if opts.config else []
+    )
+    _render_outcome(outcome, do_restart, " ".join(hint))
 
 
 def _absolute(path: str | None, real_root: bool) -> str | None:
@@ -115,7 +119,7 @@ def _render_plan(plan: RuntimePlan, *, dry_run: bool) -> None:
         typer.echo(f"dry run: {len(plan.pending)} file(s) would change; nothing was changed")
 
 
-def _render_outcome(outcome: Outcome, restarted: bool) -> None:
+def _render_outcome(outcome: Outcome, restarted: bool, revert_hint: str) -> None:
     plan = outcome.plan
     for path in outcome.written:
         typer.echo(f"{'restored' if plan.revert else 'wrote'} {path}")
@@ -128,4 +132,4 @@ def _render_outcome(outcome: Outcome, restarted: bool) -> None:
     elif outcome.changed and not restarted:
         typer.echo(f"restart {plan.runtime} for the change to take effect (systemctl restart {plan.unit})")
     if outcome.changed and not plan.revert:
-        typer.echo(f"undo with: gpunode configure-runtime {plan.runtime} --revert")
+        typer.echo(f"undo with: {revert_hint}")

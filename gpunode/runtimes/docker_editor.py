@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from gpunode.errors import ConfigError, UsageError
+from gpunode.errors import ConfigError, GpunodeError, UsageError
 from gpunode.host import Host
 from gpunode.runtimes import docker
 from gpunode.runtimes.edits import Editor, JsonFormat
@@ -13,6 +13,99 @@ from gpunode.runtimes.plan import ConfigureOptions, FileChange, RuntimePlan
 
 UNIT = "docker.service"
 SOCKET = "/var/run/docker.sock"
+
+# daemon.json directives dockerd 20.10-22 knows: its flags, under their plural names where a flag takes a
+# list, plus the file-only keys. dockerd refuses to start on any other top-level key. Releases from 23 on
+# add keys and can judge a file themselves (`dockerd --validate`), so for them gpunode asks dockerd.
+KNOWN_DIRECTIVES = frozenset(
+    [
+        "allow-nondistributable-artifacts",
+        "api-cors-header",
+        "authorization-plugins",
+        "bip",
+        "bridge",
+        "builder",
+        "cgroup-parent",
+        "cluster-advertise",
+        "cluster-store",
+        "cluster-store-opts",
+        "containerd",
+        "containerd-namespace",
+        "containerd-plugins-namespace",
+        "cpu-rt-period",
+        "cpu-rt-runtime",
+        "cri-containerd",
+        "data-root",
+        "debug",
+        "default-address-pools",
+        "default-cgroupns-mode",
+        "default-gateway",
+        "default-gateway-v6",
+        "default-ipc-mode",
+        "default-runtime",
+        "default-shm-size",
+        "default-ulimits",
+        "deprecated-key-path",
+        "disable-legacy-registry",
+        "dns",
+        "dns-opts",
+        "dns-search",
+        "exec-opts",
+        "exec-root",
+        "experimental",
+        "features",
+        "fixed-cidr",
+        "fixed-cidr-v6",
+        "graph",
+        "group",
+        "host-gateway-ip",
+        "hosts",
+        "icc",
+        "init",
+        "init-path",
+        "insecure-registries",
+        "ip",
+        "ip-forward",
+        "ip-masq",
+        "ip6tables",
+        "iptables",
+        "ipv6",
+        "labels",
+        "live-restore",
+        "log-driver",
+        "log-format",
+        "log-level",
+        "log-opts",
+        "max-concurrent-downloads",
+        "max-concurrent-uploads",
+        "max-download-attempts",
+        "metrics-addr",
+        "mtu",
+        "network-control-plane-mtu",
+        "no-new-privileges",
+        "node-generic-resources",
+        "oom-score-adjust",
+        "pidfile",
+        "raw-logs",
+        "registry-mirrors",
+        "rootless",
+        "runtimes",
+        "seccomp-profile",
+        "selinux-enabled",
+        "shutdown-timeout",
+        "storage-driver",
+        "storage-opts",
+        "swarm-default-advertise-addr",
+        "tls",
+        "tlscacert",
+        "tlscert",
+        "tlskey",
+        "tlsverify",
+        "userland-proxy",
+        "userland-proxy-path",
+        "userns-remap",
+    ]
+)
 
 
 def plan_docker(host: Host, opts: ConfigureOptions) -> RuntimePlan:
@@ -26,7 +119,7 @@ def plan_docker(host: Host, opts: ConfigureOptions) -> RuntimePlan:
     fmt = JsonFormat()
     text = host.read_text_if_exists(path)
     doc = fmt.parse(text or "", path)
-    _refuse_what_dockerd_refuses(text, doc, path, opts)
+    _refuse_what_dockerd_refuses(host, text, doc, path, opts)
 
     editor = Editor(fmt, doc)
     messages: list[str] = []
@@ -57,18 +150,34 @@ def plan_docker(host: Host, opts: ConfigureOptions) -> RuntimePlan:
 
 
 def _refuse_what_dockerd_refuses(
-    text: str | None, doc: Mapping[str, Any], path: str, opts: ConfigureOptions
+    host: Host, text: str | None, doc: Mapping[str, Any], path: str, opts: ConfigureOptions
 ) -> None:
     """A file dockerd would not start with is the user's to fix: gpunode does not guess what was meant.
 
     Two problems gpunode repairs itself: an empty file, and a default runtime that is the one being added.
     """
-    problems = docker.startup_problems(text or "{}", doc, path)
+    problems = docker.startup_problems(text if text and text.strip() else "{}", doc, path)
     default = docker.default_runtime(doc, path)
     problems = [p for p in problems if not (default == opts.runtime_name and f'"{default}"' in p)]
     docker.cdi_enabled(doc, path)  # raises on a `features` that is not an object
+    unknown = [key for key in doc if key not in KNOWN_DIRECTIVES]
+    if unknown and not _dockerd_accepts(host, path):
+        problems.append(
+            f"{path} has key(s) dockerd does not know: {', '.join(unknown)}; dockerd refuses to start with it"
+        )
     if problems:
         raise ConfigError(
             "; ".join(problems),
             f"correct {path} first (gpunode left it untouched), then run the command again",
         )
+
+
+def _dockerd_accepts(host: Host, path: str) -> bool:
+    """Ask dockerd itself (23 and later have --validate) whether it accepts the file's keys."""
+    if host.which("dockerd") is None:
+        return False
+    try:
+        result = host.run(["dockerd", "--validate", "--config-file", str(host.path(path))], timeout=15)
+    except GpunodeError:
+        return False
+    return result.ok

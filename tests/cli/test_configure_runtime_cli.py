@@ -60,7 +60,7 @@ def test_configure_then_already_configured_then_revert(
     assert "the original is kept in /var/lib/gpunode/backups/etc/docker/daemon.json" in out
     # Under --root the host's own docker is not the one configured: no restart unless asked.
     assert "restart docker for the change to take effect" in out
-    assert "undo with: gpunode configure-runtime docker --revert" in out
+    assert f"undo with: gpunode --root {tmp_path} configure-runtime docker --revert\n" in out
     assert not any(call[0] == "systemctl" for call in runner.calls)
 
     code, out, _ = run(host, capsys, "docker", "--set-as-default")

@@ -428,6 +428,7 @@ def test_docker_existing_entry_keeps_its_args(tmp_path: Path) -> None:
         ('{"default-runtime": "kata"}', 'default-runtime "kata" is not defined'),
         ('{"runtimes": "x"}', '"runtimes" must be an object'),
         ('{"features": [1]}', '"features" must be an object'),
+        ('{"debug": true, "log-opt": {"max-size": "1m"}}', "dockerd does not know: log-opt"),
     ],
 )
 def test_docker_bad_files_are_refused_and_untouched(tmp_path: Path, text: str, match: str) -> None:
@@ -595,12 +596,12 @@ def test_damaged_record_is_a_clear_error(tmp_path: Path) -> None:
 
 
 def test_stale_backup_from_an_earlier_cycle_is_replaced(tmp_path: Path) -> None:
-    put(tmp_path, "/var/lib/gpunode/backups/etc/docker/daemon.json", '{"stale": true}\n')
-    path = put(tmp_path, "/etc/docker/daemon.json", '{"current": true}\n')
+    put(tmp_path, "/var/lib/gpunode/backups/etc/docker/daemon.json", '{"debug": false}\n')
+    path = put(tmp_path, "/etc/docker/daemon.json", '{"debug": true}\n')
     host, _ = make_host(tmp_path)
     configure(host, "docker")
     revert(host, "docker")
-    assert path.read_text() == '{"current": true}\n'
+    assert path.read_text() == '{"debug": true}\n'
 
 
 # -- restart, verify and rollback -------------------------------------------------------------------
@@ -681,3 +682,21 @@ def test_only_installed_runtime_is_chosen_and_several_are_ambiguous(tmp_path: Pa
             assert choose_runtime(host, None)[0] == "containerd"
     with pytest.raises(UsageError, match=r"several container runtimes .*docker, containerd"):
         choose_runtime(host, None)
+
+
+def test_docker_whitespace_only_file_is_repaired_like_an_empty_one(tmp_path: Path) -> None:
+    path = put(tmp_path, "/etc/docker/daemon.json", "  \n")
+    host, _ = make_host(tmp_path)
+    configure(host, "docker")
+    assert json.loads(path.read_text())["runtimes"]["nvidia"]["path"] == NVIDIA
+
+
+def test_docker_unknown_key_is_accepted_when_dockerd_validates_the_file(tmp_path: Path) -> None:
+    path = put(tmp_path, "/etc/docker/daemon.json", '{"cdi-spec-dirs": ["/etc/cdi"]}\n')  # dockerd 25+
+    dockerd = put(tmp_path, "/usr/bin/dockerd", "#!/bin/sh\n")
+    dockerd.chmod(0o755)
+    host, runner = make_host(tmp_path)
+    runner.answer(["dockerd", "--validate"], "configuration OK\n")
+    configure(host, "docker")
+    assert json.loads(path.read_text())["cdi-spec-dirs"] == ["/etc/cdi"]
+    assert ("dockerd", "--validate", "--config-file", str(path)) in runner.calls
