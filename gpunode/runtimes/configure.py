@@ -210,8 +210,9 @@ def apply(
         if restart and done and isinstance(exc, CommandFailed):
             try:
                 service.restart(host, plan)
+                restored = restored.rstrip(".") + f", and restarted {plan.unit} with it."
             except GpunodeError as again:
-                restored += f"; restarting {plan.unit} with it failed too: {again.message}"
+                restored += f" Restarting {plan.unit} with it failed too: {again.message}"
         if isinstance(exc, GpunodeError):
             exc.message += f"\n{restored}"
             raise
@@ -245,6 +246,8 @@ def _roll_back(host: Host, done: list[FileChange], old_records: records.Records)
             host.remove_file(change.path)
         else:
             host.write_file(change.path, change.before)
+        if change.path not in old_records.files:
+            host.remove_file(records.backup_path(change.path))  # the file is its own original again
     records.save(host, old_records)
     if not done:
         return "gpunode changed no file."

@@ -641,7 +641,9 @@ def test_runtime_that_does_not_come_back_gets_the_old_file_and_another_restart(t
     assert "put back the previous content of /etc/containerd/config.toml" in message
     assert path.read_text() == original
     assert runner.calls.count(("systemctl", "restart", "containerd.service")) == 2
+    assert "and restarted containerd.service with it" in message
     assert records.load(host).files == {}
+    assert not (tmp_path / "var/lib/gpunode/backups/etc/containerd/config.toml").exists()
 
 
 def test_failed_systemctl_restart_is_rolled_back(tmp_path: Path) -> None:
