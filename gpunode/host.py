@@ -318,6 +318,7 @@ class Host:
         mode: int = 0o644,
         backup_to: str | None = None,
         make_parents: bool = False,
+        temp_dir: str | None = None,
     ) -> WriteOutcome:
         """Replace a file atomically.
 
@@ -327,6 +328,10 @@ class Host:
         rewritten (same bytes, same mtime). With `backup_to` (a host path), the original is first copied
         there, atomically too, unless a backup is already there: the backup is always the file as it was
         before gpunode's first change.
+
+        `temp_dir` (a host path on the same filesystem) holds the temp file instead of the target's own
+        directory: for a directory a runtime reads whole (crio.conf.d), where a temp file left by a killed
+        process would be read as configuration. Temp files left by an earlier killed run are removed.
         """
         data = content.encode("utf-8") if isinstance(content, str) else content
         target = self.path(host_path)  # every symlink on the way resolved, never leaving the root
@@ -338,7 +343,9 @@ class Host:
         if not directory.is_dir():
             parent = str(PurePosixPath(host_path).parent)
             raise NotFound(f"cannot write {host_path}: directory {parent} does not exist")
+        tmp_directory = self.path(temp_dir) if temp_dir is not None else directory
         with _locked_directory(directory, host_path):
+            _remove_stale_temps(target, {directory, tmp_directory})
             try:
                 old = target.read_bytes()
                 st: os.stat_result | None = target.stat()
@@ -362,6 +369,7 @@ class Host:
                 st.st_mode if st else mode,
                 st.st_uid if st else None,
                 st.st_gid if st else None,
+                tmp_directory=tmp_directory,
             )
             return WriteOutcome(target, changed=True, backup=backup)
 
@@ -454,10 +462,30 @@ def _wait_for_lock(try_lock: Callable[[], None], host_path: str, timeout: float 
             time.sleep(0.05)
 
 
-def _atomic_write(target: Path, data: bytes, mode: int, uid: int | None, gid: int | None) -> None:
+TEMP_SUFFIX = ".gpunode-tmp"
+
+
+def _remove_stale_temps(target: Path, directories: set[Path]) -> None:
+    # Only temps for this very file: their writer held the same directory lock we hold now.
+    for directory in directories:
+        for stale in directory.glob(f".{target.name}.*{TEMP_SUFFIX}"):
+            with contextlib.suppress(OSError):
+                stale.unlink()
+
+
+def _atomic_write(
+    target: Path,
+    data: bytes,
+    mode: int,
+    uid: int | None,
+    gid: int | None,
+    *,
+    tmp_directory: Path | None = None,
+) -> None:
     directory = target.parent
+    tmp_dir = tmp_directory or directory
     try:
-        fd, tmp_name = tempfile.mkstemp(dir=directory, prefix=f".{target.name}.", suffix=".gpunode-tmp")
+        fd, tmp_name = tempfile.mkstemp(dir=tmp_dir, prefix=f".{target.name}.", suffix=TEMP_SUFFIX)
     except PermissionError as exc:
         raise PermissionDenied(
             f"cannot write in {directory}: permission denied", "run gpunode as root (sudo)"
@@ -473,7 +501,14 @@ def _atomic_write(target: Path, data: bytes, mode: int, uid: int | None, gid: in
                 with contextlib.suppress(PermissionError):
                     os.fchown(fh.fileno(), uid, gid)
             os.fsync(fh.fileno())
-        os.rename(tmp, target)
+        try:
+            os.rename(tmp, target)
+        except OSError as exc:
+            if exc.errno != errno.EXDEV:
+                raise
+            tmp.unlink()  # another filesystem after all: the target's own directory will do
+            _atomic_write(target, data, mode, uid, gid)
+            return
     except BaseException as exc:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()

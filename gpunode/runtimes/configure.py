@@ -105,6 +105,8 @@ def plan_revert(host: Host, runtime: str, opts: ConfigureOptions) -> RuntimePlan
         change, notes = _revert_file(host, record)
         changes.append(change)
         messages.extend(notes)
+    # Files are removed last: a main file must stop importing a drop-in before the drop-in goes.
+    changes.sort(key=lambda c: c.after is None and c.before is not None)
     unit, socket, flavour = _service_of(host, runtime)
     return RuntimePlan(
         runtime=runtime,
@@ -181,32 +183,41 @@ def apply(
     outcome = Outcome(plan)
     old_records = records.load(host)
     new_records = records.Records(dict(old_records.files))
+    # Files whose original is the file as it is now: no record yet, or one left by a run that stopped
+    # before writing (the file still has the original's checksum). Their backup is taken (again) now.
+    fresh: set[str] = set()
     for change in plan.changes:
         if plan.revert:
             new_records.files.pop(change.path, None)
-        elif change.changed:
-            new_records.files[change.path] = old_records.updated(
-                plan.runtime, change.path, change.before, change.after, change.edits, owned=change.owned
-            )
+            continue
+        if not change.changed:
+            continue
+        old = old_records.files.get(change.path)
+        base = old_records
+        if old is None or records.sha256(change.before) == old.original_sha256:
+            fresh.add(change.path)
+            base = records.Records()
+        new_records.files[change.path] = base.updated(
+            plan.runtime, change.path, change.before, change.after, change.edits, owned=change.owned
+        )
     pending = plan.pending
     if not pending and new_records.files == old_records.files:
         return outcome
-    for change in pending:
-        if not plan.revert and change.path not in old_records.files and change.before is not None:
-            host.remove_file(records.backup_path(change.path))  # a stale copy from an older cycle
-    # The record goes first: a crash after it leaves files that are still the originals, which revert
-    # recognises by their checksum.
-    records.save(host, new_records)
     done: list[FileChange] = []
     try:
+        for path in sorted(fresh):
+            host.remove_file(records.backup_path(path))  # a stale copy from an older cycle
+        # The record goes first: a crash after it leaves files that are still the originals, which
+        # revert and the next run recognise by their checksum.
+        records.save(host, new_records)
         for change in pending:
-            _write(host, change, plan, first=change.path not in old_records.files, outcome=outcome)
+            _write(host, change, plan, first=change.path in fresh, outcome=outcome)
             done.append(change)
         if restart and pending:
             service.restart(host, plan)
             outcome.restarted = service.wait_until_ready(host, plan, timeout=ready_timeout)
     except (GpunodeError, OSError) as exc:
-        restored = _roll_back(host, done, old_records)
+        restored = _roll_back(host, done, old_records, fresh)
         if restart and done and isinstance(exc, CommandFailed):
             try:
                 service.restart(host, plan)
@@ -233,22 +244,39 @@ def _write(host: Host, change: FileChange, plan: RuntimePlan, *, first: bool, ou
     keep_original = first and not plan.revert and change.before is not None
     backup = records.backup_path(change.path) if keep_original else None
     result = host.write_file(
-        change.path, change.after, mode=change.mode, backup_to=backup, make_parents=plan.standard_location
+        change.path,
+        change.after,
+        mode=change.mode,
+        backup_to=backup,
+        make_parents=plan.standard_location,
+        temp_dir=change.temp_dir if change.temp_dir and host.is_dir(change.temp_dir) else None,
     )
     outcome.written.append(change.path)
     if result.backup is not None and backup is not None:
         outcome.backups.append(backup)
 
 
-def _roll_back(host: Host, done: list[FileChange], old_records: records.Records) -> str:
+def _roll_back(host: Host, done: list[FileChange], old_records: records.Records, fresh: set[str]) -> str:
+    """Put back what this run wrote; say what could not be put back rather than hide it."""
+    failed: list[str] = []
     for change in reversed(done):
-        if change.before is None:
-            host.remove_file(change.path)
-        else:
-            host.write_file(change.path, change.before)
-        if change.path not in old_records.files:
-            host.remove_file(records.backup_path(change.path))  # the file is its own original again
-    records.save(host, old_records)
-    if not done:
-        return "gpunode changed no file."
-    return "gpunode put back the previous content of " + ", ".join(c.path for c in done) + "."
+        try:
+            if change.before is None:
+                host.remove_file(change.path)
+            else:
+                host.write_file(change.path, change.before)
+        except (GpunodeError, OSError) as exc:
+            failed.append(f"{change.path} ({exc})")
+    try:
+        for path in sorted(fresh):
+            host.remove_file(records.backup_path(path))  # the file is its own original again
+        records.save(host, old_records)
+    except (GpunodeError, OSError) as exc:
+        failed.append(f"{records.RECORDS} ({exc})")
+    restored = [c.path for c in done if not any(f.startswith(f"{c.path} (") for f in failed)]
+    said = "gpunode changed no file." if not done else ""
+    if restored:
+        said = "gpunode put back the previous content of " + ", ".join(restored) + "."
+    if failed:
+        said += " It could not put back: " + "; ".join(failed) + f" (originals are in {records.BACKUP_DIR})."
+    return said.strip()

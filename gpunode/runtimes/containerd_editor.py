@@ -298,7 +298,17 @@ def _drop_in_changes(
         )
     _add_nvidia(drop_editor, merged, version, opts, messages)
     after = fmt.render(drop_doc, drop_text) if drop_editor.edits else drop_text
-    changes = [FileChange(dropin, drop_text, after, tuple(drop_editor.edits), owned=drop_text is None)]
+    # The temp file goes one level up: an import glob such as conf.d/* would read it while it exists.
+    changes = [
+        FileChange(
+            dropin,
+            drop_text,
+            after,
+            tuple(drop_editor.edits),
+            owned=drop_text is None,
+            temp_dir=posixpath.dirname(posixpath.dirname(dropin)),
+        )
+    ]
 
     main_editor = Editor(fmt, main_doc)
     imports = ctd.resolve_imports(host, path, main_doc.get("imports"))

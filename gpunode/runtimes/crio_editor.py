@@ -62,13 +62,29 @@ def plan_crio(host: Host, opts: ConfigureOptions) -> RuntimePlan:
     _check_effect(host, main, target, after, opts)
     return RuntimePlan(
         runtime="crio",
-        changes=(FileChange(target, text, after, tuple(editor.edits), owned=text is None),),
+        changes=(
+            FileChange(
+                target,
+                text,
+                after,
+                tuple(editor.edits),
+                owned=text is None,
+                temp_dir=_outside_dropins(target),
+            ),
+        ),
         messages=tuple(messages),
         unit=UNIT,
         socket=SOCKET,
         standard_location=opts.config is None and opts.drop_in in (None, DROPIN),
         expect=(opts.runtime_name, opts.set_as_default),
     )
+
+
+def _outside_dropins(target: str) -> str | None:
+    """Where the temp file of a write goes: not in crio.conf.d (or under it), which CRI-O reads whole."""
+    if target.startswith(f"{crio.DROPIN_DIR}/"):
+        return posixpath.dirname(crio.DROPIN_DIR)
+    return None
 
 
 def _reference(runtimes: Mapping[str, Mapping[str, Any]], default: str, name: str) -> Mapping[str, Any]:

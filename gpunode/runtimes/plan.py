@@ -33,6 +33,8 @@ class FileChange:
     mode: int = 0o644
     # True for a file that exists only for gpunode (a drop-in): reverting removes it whole.
     owned: bool = False
+    # Where the temp file is made: for a drop-in, the parent of its directory, which runtimes do not read.
+    temp_dir: str | None = None
 
     @property
     def changed(self) -> bool:

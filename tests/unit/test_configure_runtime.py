@@ -702,3 +702,33 @@ def test_docker_unknown_key_is_accepted_when_dockerd_validates_the_file(tmp_path
     configure(host, "docker")
     assert json.loads(path.read_text())["cdi-spec-dirs"] == ["/etc/cdi"]
     assert ("dockerd", "--validate", "--config-file", str(path)) in runner.calls
+
+
+def test_record_left_by_a_run_that_stopped_before_writing_is_started_over(tmp_path: Path) -> None:
+    original = fixture("containerd/default-v2.toml")
+    path = put(tmp_path, "/etc/containerd/config.toml", original)
+    host, _ = make_host(tmp_path)
+    plan = plan_configure(host, "containerd", ConfigureOptions(set_as_default=True))
+    # What a run killed between saving its record and writing leaves: a record, no backup, the original.
+    change = plan.changes[0]
+    stopped = records.Records().updated(
+        "containerd", change.path, change.before, change.after, change.edits, owned=False
+    )
+    records.save(host, records.Records({change.path: stopped}))
+    configure(host, "containerd", set_as_default=True, cdi=True)
+    assert (tmp_path / "var/lib/gpunode/backups/etc/containerd/config.toml").read_text() == original
+    revert(host, "containerd")
+    assert path.read_text() == original
+
+
+def test_revert_restores_the_main_file_before_removing_its_drop_in(tmp_path: Path) -> None:
+    put(tmp_path, "/etc/containerd/config.toml", fixture("containerd/default-v2.toml"))
+    host, _ = make_host(tmp_path)
+    configure(host, "containerd", drop_in="/etc/containerd/conf.d/99-nvidia.toml")
+    plan = plan_revert(host, "containerd", ConfigureOptions())
+    # A crash between the two steps must not leave an import of a file that is gone.
+    assert [c.path for c in plan.changes] == [
+        "/etc/containerd/config.toml",
+        "/etc/containerd/conf.d/99-nvidia.toml",
+    ]
+    assert plan.changes[-1].after is None

@@ -210,3 +210,27 @@ def test_link_loops_fifos_and_huge_files_are_refused(tmp_path: Path) -> None:
     (tmp_path / "huge").write_bytes(b"#" * (9 * 2**20))
     with pytest.raises(ConfigError, match="larger than 8 MiB"):
         host.read_text("/huge")
+
+
+def test_temp_file_goes_to_temp_dir_and_stale_temps_are_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tempfile
+
+    host = Host(root=tmp_path)
+    dropins = tmp_path / "etc/crio/crio.conf.d"
+    dropins.mkdir(parents=True)
+    stale = dropins / ".99-nvidia.toml.abc123.gpunode-tmp"  # left by a killed run
+    stale.write_text("[crio.runtime\n")
+    used: list[str] = []
+    real_mkstemp = tempfile.mkstemp
+
+    def spy(*args: object, **kwargs: object) -> tuple[int, str]:
+        used.append(str(kwargs["dir"]))
+        return real_mkstemp(*args, **kwargs)  # type: ignore[call-overload,no-any-return]
+
+    monkeypatch.setattr(tempfile, "mkstemp", spy)
+    host.write_file("/etc/crio/crio.conf.d/99-nvidia.toml", "x = 1\n", temp_dir="/etc/crio")
+    assert used == [str(tmp_path / "etc/crio")]
+    assert sorted(p.name for p in dropins.iterdir()) == ["99-nvidia.toml"]
+    assert not list((tmp_path / "etc/crio").glob(".*gpunode-tmp"))
