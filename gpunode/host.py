@@ -361,6 +361,7 @@ class Host:
             if old is not None and st is not None and backup_to is not None:
                 self.make_dirs(str(PurePosixPath(backup_to).parent), mode=0o700)
                 backup = self.path(backup_to)
+                _remove_stale_temps(backup, {backup.parent})
                 if not backup.exists():
                     _atomic_write(backup, old, st.st_mode, st.st_uid, st.st_gid)
             _atomic_write(

@@ -211,13 +211,15 @@ def apply(
         # revert and the next run recognise by their checksum.
         records.save(host, new_records)
         for change in pending:
-            _write(host, change, plan, first=change.path in fresh, outcome=outcome)
+            # Counted before the write: a failure after the rename (the directory fsync) has already
+            # replaced the file. Rolling back a file that was not replaced is a no-op.
             done.append(change)
+            _write(host, change, plan, first=change.path in fresh, outcome=outcome)
         if restart and pending:
             service.restart(host, plan)
             outcome.restarted = service.wait_until_ready(host, plan, timeout=ready_timeout)
     except (GpunodeError, OSError) as exc:
-        restored = _roll_back(host, done, old_records, fresh)
+        restored = _roll_back(host, done, old_records, fresh, plan.runtime)
         if restart and done and isinstance(exc, CommandFailed):
             try:
                 service.restart(host, plan)
@@ -256,7 +258,9 @@ def _write(host: Host, change: FileChange, plan: RuntimePlan, *, first: bool, ou
         outcome.backups.append(backup)
 
 
-def _roll_back(host: Host, done: list[FileChange], old_records: records.Records, fresh: set[str]) -> str:
+def _roll_back(
+    host: Host, done: list[FileChange], old_records: records.Records, fresh: set[str], plan_runtime: str
+) -> str:
     """Put back what this run wrote; say what could not be put back rather than hide it."""
     failed: list[str] = []
     for change in reversed(done):
@@ -267,16 +271,24 @@ def _roll_back(host: Host, done: list[FileChange], old_records: records.Records,
                 host.write_file(change.path, change.before)
         except (GpunodeError, OSError) as exc:
             failed.append(f"{change.path} ({exc})")
-    try:
-        for path in sorted(fresh):
-            host.remove_file(records.backup_path(path))  # the file is its own original again
-        records.save(host, old_records)
-    except (GpunodeError, OSError) as exc:
-        failed.append(f"{records.RECORDS} ({exc})")
+    if not failed:
+        try:
+            for path in sorted(fresh):
+                host.remove_file(records.backup_path(path))  # the file is its own original again
+            records.save(host, old_records)
+        except (GpunodeError, OSError) as exc:
+            failed.append(f"{records.RECORDS} ({exc})")
+    # Otherwise the record and backups stay: they describe the files as they are, so --revert works
+    # once whatever failed is fixed.
     restored = [c.path for c in done if not any(f.startswith(f"{c.path} (") for f in failed)]
     said = "gpunode changed no file." if not done else ""
     if restored:
         said = "gpunode put back the previous content of " + ", ".join(restored) + "."
     if failed:
-        said += " It could not put back: " + "; ".join(failed) + f" (originals are in {records.BACKUP_DIR})."
+        said += (
+            " It could not put back: "
+            + "; ".join(failed)
+            + f". Once that is fixed, run `gpunode configure-runtime {plan_runtime} --revert`"
+            f" (originals are in {records.BACKUP_DIR})."
+        )
     return said.strip()
