@@ -18,7 +18,7 @@ from gpunode.runtimes import docker_editor, records, service
 from gpunode.runtimes.containerd_editor import SOCKETS, plan_containerd, unit_for
 from gpunode.runtimes.crio_editor import plan_crio
 from gpunode.runtimes.docker_editor import plan_docker
-from gpunode.runtimes.edits import Format, JsonFormat, TomlFormat, undo_edits
+from gpunode.runtimes.edits import Format, JsonFormat, TomlFormat, check_rendered, undo_edits
 from gpunode.runtimes.plan import RUNTIMES, ConfigureOptions, FileChange, RuntimePlan
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -74,6 +74,10 @@ def plan_configure(host: Host, runtime: str, opts: ConfigureOptions) -> RuntimeP
         "crio": plan_crio,
     }[runtime]
     plan = planner(host, opts)
+    fmt: Format = JsonFormat() if runtime == "docker" else TomlFormat()
+    for change in plan.pending:
+        if change.after is not None:
+            check_rendered(fmt, change.after, change.edits, change.path)
     binary = opts.runtime_path
     if binary.startswith("/") and not host.exists(binary):
         plan = replace(

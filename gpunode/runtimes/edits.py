@@ -114,7 +114,10 @@ class Editor:
         if before == value:
             return False
         self._record_created_tables(path)
-        self.fmt.set(self.doc, path, value)
+        try:
+            self.fmt.set(self.doc, path, value)
+        except (TOMLKitError, TypeError, ValueError, AttributeError) as exc:
+            raise _cannot_edit(path, exc) from None
         self.edits.append(Edit(path, before, value))
         return True
 
@@ -137,6 +140,37 @@ class Editor:
         for depth in range(1, len(path)):
             if lookup(self.doc, path[:depth]) is ABSENT:
                 self.edits.append(Edit(path[:depth], ABSENT, {}, op="table"))
+
+
+def _cannot_edit(path: Sequence[str], exc: Exception) -> ConfigError:
+    return ConfigError(
+        f"gpunode cannot safely edit {Edit(tuple(path), None, None).describe()} as the file writes it "
+        f"(an inline table or dotted keys on the way: {exc})",
+        "write the tables on that path as [section] headers, then run the command again",
+    )
+
+
+def check_rendered(fmt: Format, text: str, edits: Sequence[Edit], path: str) -> None:
+    """Parse what is about to be written and check every edit reads back as set: a layout tomlkit
+    mishandles (dotted keys, inline tables) is refused rather than written wrong."""
+    doc = fmt.parse(text, path)
+    for n, edit in enumerate(edits):
+        overlapping = (
+            later.path[: len(edit.path)] == edit.path or edit.path[: len(later.path)] == later.path
+            for later in edits[n + 1 :]
+        )
+        if any(overlapping):
+            continue  # a later edit changed part of it: only the final state is checked
+        value = lookup(doc, edit.path)
+        ok = (
+            (isinstance(value, list) and edit.after in value)
+            if edit.op == "append"
+            else isinstance(value, dict)
+            if edit.op == "table"
+            else value == edit.after
+        )
+        if not ok:
+            raise _cannot_edit(edit.path, ValueError("the result does not read back as written"))
 
 
 def undo_edits(fmt: Format, doc: MutableMapping[str, Any], edits: Sequence[Edit]) -> list[str]:
@@ -260,6 +294,8 @@ class TomlFormat:
     name = "toml"
 
     def parse(self, text: str, path: str) -> MutableMapping[str, Any]:
+        if text and not text.endswith("\n"):
+            text += "\n"  # else a table gpunode appends would start on the last line of the file
         try:
             return tomlkit.parse(text)
         except ParseError as exc:

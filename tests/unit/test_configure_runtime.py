@@ -732,3 +732,24 @@ def test_revert_restores_the_main_file_before_removing_its_drop_in(tmp_path: Pat
         "/etc/containerd/conf.d/99-nvidia.toml",
     ]
     assert plan.changes[-1].after is None
+
+
+def test_file_without_a_final_newline_stays_valid(tmp_path: Path) -> None:
+    path = put(tmp_path, crio.CRIO_CONF, '[crio]\n  [crio.runtime]\n    default_runtime = "crun"')
+    host, _ = make_host(tmp_path)
+    configure(host, "crio", in_place=True)
+    doc = tomlread.loads(path.read_text())
+    assert doc["crio"]["runtime"]["default_runtime"] == "crun"
+    assert doc["crio"]["runtime"]["runtimes"]["nvidia"]["runtime_path"] == NVIDIA
+
+
+def test_layout_gpunode_cannot_edit_is_refused_not_a_crash(tmp_path: Path) -> None:
+    text = (
+        'version = 2\n[plugins."io.containerd.grpc.v1.cri".containerd]\n'
+        'runtimes = { runc = { runtime_type = "io.containerd.runc.v2" } }\n'
+    )
+    path = put(tmp_path, "/etc/containerd/config.toml", text)
+    host, _ = make_host(tmp_path)
+    with pytest.raises(ConfigError, match="cannot safely edit"):
+        plan_configure(host, "containerd", ConfigureOptions())
+    assert path.read_text() == text
