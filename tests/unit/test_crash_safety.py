@@ -9,6 +9,7 @@ Part b kills a real `gpunode configure-runtime` process with SIGKILL at the Nth 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import posixpath
@@ -96,9 +97,10 @@ SCENARIOS = {
         ConfigureOptions(set_as_default=True),
         (docker.DAEMON_JSON,),
     ),
+    # A small main file keeps this one fast: it has twice the write steps.
     "containerd-drop-in": Scenario(
         "containerd",
-        {containerd.DEFAULT_CONFIG: STOCK_CONTAINERD},
+        {containerd.DEFAULT_CONFIG: SYSTEMD_ONLY_CONTAINERD},
         ConfigureOptions(set_as_default=True, drop_in=CONTAINERD_DROPIN),
         (containerd.DEFAULT_CONFIG, CONTAINERD_DROPIN),
     ),
@@ -311,19 +313,37 @@ def test_injected_failure_at_every_step_leaves_old_or_new(name: str, persistent:
     assert not report.violations, "\n".join([*report.violations, f"(raised: {summary})"])
 
 
+@contextlib.contextmanager
+def failing_fsync_of(root: Path, host_path: str) -> Iterator[list[str]]:
+    """Fail (EIO, once) the fsync of the file or directory at `host_path`, or of a temp file made for it:
+    a named point of the write sequence, whatever the order of the other writes. Yields what failed."""
+    target = local(root, host_path)
+    real = os.fsync
+    failed: list[str] = []
+
+    def fsync(fd: int) -> None:
+        path = Path(os.readlink(f"/proc/self/fd/{fd}"))
+        is_temp = path.parent == target.parent and path.name.startswith(f".{target.name}.")
+        if not failed and (path == target or is_temp):
+            failed.append(str(path))
+            raise OSError(errno.EIO, f"injected: fsync of {path} fails")
+        real(fd)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(os, "fsync", fsync)
+        yield failed
+
+
 def test_a_failed_records_write_is_reported_as_a_gpunode_error(tmp_path: Path) -> None:
-    """EIO/EROFS on /var/lib/gpunode is an operational failure, not a bug in gpunode: it must not end as
+    """EIO on /var/lib/gpunode is an operational failure, not a bug in gpunode: it must not end as
     "internal error ... This is a bug in gpunode" (exit 70)."""
     SCENARIOS["containerd"].prepare(tmp_path)
-    host = host_at(tmp_path)
     argv = ["configure-runtime", "containerd", "--set-as-default", "--no-restart"]
-    with pytest.MonkeyPatch.context() as mp:
-        fault = Fault("fsync", 1, persistent=False, armed=True)  # the records' temp file
-        install(mp, fault)
-        code = main(argv, host=host)
-    assert fault.fired
+    with failing_fsync_of(tmp_path, records.RECORDS) as failed:
+        code = main(argv, host=host_at(tmp_path))
+    assert failed, "the records' temp file was never fsynced"
     assert read(tmp_path, containerd.DEFAULT_CONFIG) == STOCK_CONTAINERD
-    assert code != ExitCode.INTERNAL, "an I/O error writing the records is shown as a bug in gpunode"
+    assert code == ExitCode.COMMAND_FAILED, "an I/O error writing the records is not a CommandFailed"
 
 
 def test_a_failed_records_fsync_is_rolled_back_and_revert_stays_exact(tmp_path: Path) -> None:
@@ -334,18 +354,16 @@ def test_a_failed_records_fsync_is_rolled_back_and_revert_stays_exact(tmp_path: 
     scenario.prepare(tmp_path)
     host = host_at(tmp_path)
     plan = configure.plan_configure(host, "docker", scenario.opts)
-    with pytest.MonkeyPatch.context() as mp:
-        fault = Fault("fsync", 2, persistent=False)  # 1: the records' temp file, 2: their directory
-        install(mp, fault)
-        fault.armed = True
-        with pytest.raises((GpunodeError, OSError)):
-            configure.apply(host, plan, restart=False)
+    with (
+        failing_fsync_of(tmp_path, posixpath.dirname(records.RECORDS)) as failed,
+        pytest.raises(GpunodeError),
+    ):
+        configure.apply(host, plan, restart=False)
+    assert failed
     assert read(tmp_path, docker.DAEMON_JSON) == COMPACT_DAEMON_JSON
     configure.apply(host, configure.plan_configure(host, "docker", scenario.opts), restart=False)
     configure.apply(host, configure.plan_revert(host, "docker", ConfigureOptions()), restart=False)
-    assert read(tmp_path, docker.DAEMON_JSON) == COMPACT_DAEMON_JSON, (
-        "revert is not byte-exact: no backup was taken"
-    )
+    assert read(tmp_path, docker.DAEMON_JSON) == COMPACT_DAEMON_JSON, "revert is not byte-exact: no backup"
     assert records.load(host).files == {}
 
 
@@ -357,13 +375,12 @@ def test_a_failed_directory_fsync_after_the_rename_is_rolled_back(tmp_path: Path
     scenario.prepare(tmp_path)
     host = host_at(tmp_path)
     plan = configure.plan_configure(host, "docker", scenario.opts)
-    with pytest.MonkeyPatch.context() as mp:
-        # fsync 1-2: the records; 3-4: the backup; 5: daemon.json's temp file; 6: its directory.
-        fault = Fault("fsync", 6, persistent=False)
-        install(mp, fault)
-        fault.armed = True
-        with pytest.raises(GpunodeError) as err:
-            configure.apply(host, plan, restart=False)
+    with (
+        failing_fsync_of(tmp_path, posixpath.dirname(docker.DAEMON_JSON)) as failed,
+        pytest.raises(GpunodeError) as err,
+    ):
+        configure.apply(host, plan, restart=False)
+    assert failed
     kept = host.exists(records.RECORDS) and host.exists(records.backup_path(docker.DAEMON_JSON))
     assert read(tmp_path, docker.DAEMON_JSON) == COMPACT_DAEMON_JSON or kept, (
         f"daemon.json stays changed, its backup and record are gone; apply said: {err.value.message}"
@@ -379,13 +396,13 @@ def test_a_file_renamed_in_place_before_a_failure_is_rolled_back(tmp_path: Path)
     scenario.prepare(tmp_path)
     host = host_at(tmp_path)
     plan = configure.plan_configure(host, "containerd", scenario.opts)
-    with pytest.MonkeyPatch.context() as mp:
-        # fsync 1-2: the records; 3-4: the drop-in; 5-6: the main file's backup; 7-8: the main file.
-        fault = Fault("fsync", 8, persistent=False)
-        install(mp, fault)
-        fault.armed = True
-        with pytest.raises(GpunodeError):
-            configure.apply(host, plan, restart=False)
+    # /etc/containerd itself is fsynced only for config.toml: the drop-in is in conf.d.
+    with (
+        failing_fsync_of(tmp_path, posixpath.dirname(containerd.DEFAULT_CONFIG)) as failed,
+        pytest.raises(GpunodeError),
+    ):
+        configure.apply(host, plan, restart=False)
+    assert failed
     state = containerd.read_state(host)
     assert not state.problems, state.problems
     assert scenario.contents(tmp_path) == old
