@@ -250,7 +250,8 @@ def one_injected_run(
         report.check(error is not None, where, "the injected failure was swallowed: apply reported success")
         if error is not None:
             report.raised.setdefault(type(error).__name__, []).append(where)
-            report.check(isinstance(error, (GpunodeError, OSError)), where, f"apply raised {error!r}")
+            # Anything else reaches the operator as "internal error: this is a bug in gpunode".
+            report.check(isinstance(error, GpunodeError), where, f"apply raised {error!r}")
 
         # The invariant: each file old or new, complete; no temp file left; the records readable.
         now = scenario.contents(root)
@@ -301,14 +302,13 @@ def test_injected_failure_at_every_step_leaves_old_or_new(name: str, persistent:
     scenario = SCENARIOS[name]
     old, new = configure_and_revert_cleanly(scenario)
     report = Report()
-    runs = 0
     for step in STEPS:
-        n = 1
-        while one_injected_run(scenario, Fault(step, n, persistent), old, new, report):
-            n += 1
-            runs += 1
-        assert n < 40, f"{step} kept failing: the run never completes"
-    assert runs > 20  # every step was reached at least once
+        for n in range(1, 40):
+            if not one_injected_run(scenario, Fault(step, n, persistent), old, new, report):
+                break
+        else:
+            raise AssertionError(f"{step} is called without end")
+        assert n > 1, f"{step} is never called: the fault injection misses the write sequence"
     summary = "; ".join(f"{kind}: {', '.join(where)}" for kind, where in sorted(report.raised.items()))
     assert not report.violations, "\n".join([*report.violations, f"(raised: {summary})"])
 
