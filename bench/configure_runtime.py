@@ -14,15 +14,16 @@ import argparse
 import os
 import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench.timing import measure  # noqa: E402 (needs the repo on sys.path)
+
 STOCK = REPO / "tests/fixtures/containerd/default-v2.toml"  # `containerd config default` of 1.6
 
 
@@ -31,19 +32,6 @@ def stock_config() -> str:
         out = subprocess.run(["containerd", "config", "default"], capture_output=True, text=True, check=True)
         return out.stdout
     return STOCK.read_text()
-
-
-def measure(argv: list[str], runs: int, before_each: Callable[[], None]) -> tuple[float, float]:
-    samples = []
-    for _ in range(runs + 1):  # the first run warms the page cache and is dropped
-        before_each()
-        start = time.perf_counter()
-        result = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, check=False)
-        samples.append(time.perf_counter() - start)
-        if result.returncode != 0:
-            raise SystemExit(f"{' '.join(argv)} failed: {result.stderr.decode()}")
-    samples = samples[1:]
-    return statistics.median(samples), min(samples)
 
 
 def main() -> None:
@@ -61,20 +49,20 @@ def main() -> None:
             config.parent.mkdir(parents=True, exist_ok=True)
             config.write_text(text)
 
-        def nothing() -> None:
-            pass
-
         base = [gpunode, "--root", tmp, "configure-runtime", "containerd", "--set-as-default"]
         rows = [
             (
                 "configure (stock default config → nvidia default)",
-                measure([*base, "--no-restart"], args.runs, fresh),
+                measure([*base, "--no-restart"], args.runs, before_each=fresh, must_succeed=True),
             ),
-            ("already configured (no write)", measure([*base, "--no-restart"], args.runs, nothing)),
-            ("`--dry-run` (diff only)", measure([*base, "--dry-run"], args.runs, fresh)),
+            ("already configured (no write)", measure([*base, "--no-restart"], args.runs, must_succeed=True)),
+            (
+                "`--dry-run` (diff only)",
+                measure([*base, "--dry-run"], args.runs, before_each=fresh, must_succeed=True),
+            ),
             (
                 "`python -c pass` (interpreter floor)",
-                measure([sys.executable, "-c", "pass"], args.runs, nothing),
+                measure([sys.executable, "-c", "pass"], args.runs),
             ),
         ]
     print(f"Python {platform.python_version()}, {os.cpu_count()} CPUs, {args.runs} runs each\n")

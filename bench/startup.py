@@ -11,24 +11,13 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-
-def measure(argv: list[str], runs: int, env: dict[str, str] | None = None) -> tuple[float, float]:
-    samples = []
-    for _ in range(runs + 1):  # the first run warms the page cache and is dropped
-        start = time.perf_counter()
-        subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, check=False)
-        samples.append(time.perf_counter() - start)
-    samples = samples[1:]
-    return statistics.median(samples), min(samples)
+from bench.timing import measure  # noqa: E402 (needs the repo on sys.path)
 
 
 def main() -> None:
@@ -45,7 +34,7 @@ def main() -> None:
         ("`gpunode doctor` (this machine, no GPU)", measure([gpunode, "doctor"], args.runs)),
         (
             "`gpunode doctor --json` (fake NVML, 8 x A100)",
-            measure([gpunode, "doctor", "--json"], args.runs, fake_env),
+            measure([gpunode, "doctor", "--json"], args.runs, env=fake_env),
         ),
         ("`python -c pass` (interpreter floor)", measure([sys.executable, "-c", "pass"], args.runs)),
     ]

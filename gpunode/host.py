@@ -375,15 +375,12 @@ class Host:
             return WriteOutcome(target, changed=True, backup=backup)
 
     def read_bytes(self, host_path: str) -> bytes | None:
-        """A file's exact bytes (for backups and byte-identical restores); None when it does not exist."""
+        """A file's exact bytes (to compare byte for byte); None when it does not exist."""
         try:
-            return self.path(host_path).read_bytes()
+            with _permission("read", host_path):
+                return self.path(host_path).read_bytes()
         except FileNotFoundError:
             return None
-        except PermissionError as exc:
-            raise PermissionDenied(
-                f"cannot read {host_path}: permission denied", "run gpunode as root (sudo)"
-            ) from exc
         except IsADirectoryError as exc:
             raise ConfigError(f"{host_path} is a directory where a file was expected") from exc
 
@@ -391,13 +388,10 @@ class Host:
         """Delete a file (durably: the directory is fsynced). False when it was not there."""
         target = self.path(host_path, follow_last=False)
         try:
-            target.unlink()
+            with _permission("remove", host_path):
+                target.unlink()
         except FileNotFoundError:
             return False
-        except PermissionError as exc:
-            raise PermissionDenied(
-                f"cannot remove {host_path}: permission denied", "run gpunode as root (sudo)"
-            ) from exc
         except IsADirectoryError as exc:
             raise ConfigError(f"{host_path} is a directory where a file was expected") from exc
         _fsync_directory(target.parent)
@@ -405,11 +399,8 @@ class Host:
 
     def make_dirs(self, host_path: str, *, mode: int = 0o755) -> None:
         try:
-            self.path(host_path).mkdir(parents=True, exist_ok=True, mode=mode)
-        except PermissionError as exc:
-            raise PermissionDenied(
-                f"cannot create directory {host_path}: permission denied", "run gpunode as root (sudo)"
-            ) from exc
+            with _permission("create directory", host_path):
+                self.path(host_path).mkdir(parents=True, exist_ok=True, mode=mode)
         except FileExistsError as exc:
             raise ConfigError(f"{host_path} exists and is not a directory") from exc
 
@@ -418,12 +409,8 @@ class Host:
         """Hold an exclusive lock (flock on `host_path`, created if needed) so that two gpunode runs that
         read, plan and write the same files cannot interleave."""
         self.make_dirs(str(PurePosixPath(host_path).parent))
-        try:
+        with _permission("open the lock", host_path):
             fd = os.open(self.path(host_path), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        except PermissionError as exc:
-            raise PermissionDenied(
-                f"cannot open the lock {host_path}: permission denied", "run gpunode as root (sudo)"
-            ) from exc
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -432,6 +419,17 @@ class Host:
             yield
         finally:
             os.close(fd)
+
+
+@contextlib.contextmanager
+def _permission(action: str, host_path: str) -> Iterator[None]:
+    """The one message for a refusal by the OS: what could not be done to which file, and the fix."""
+    try:
+        yield
+    except PermissionError as exc:
+        raise PermissionDenied(
+            f"cannot {action} {host_path}: permission denied", "run gpunode as root (sudo)"
+        ) from exc
 
 
 @contextlib.contextmanager

@@ -15,11 +15,9 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Any
 
-import tomlkit
-from tomlkit.exceptions import ParseError, TOMLKitError
-
 from gpunode.errors import CommandFailed, ConfigError
 from gpunode.host import Host
+from gpunode.runtimes.edits import parse_toml_document, plain
 from gpunode.runtimes.model import DEFAULT_NVIDIA_RUNTIME_NAME, RuntimeConfigState
 
 DEFAULT_CONFIG = "/etc/containerd/config.toml"
@@ -121,16 +119,7 @@ def has_go_template_syntax(text: str) -> bool:
 
 def parse_toml(text: str, path: str) -> dict[str, Any]:
     """Parse TOML into plain Python values; syntax errors name the file, line and column."""
-    try:
-        return tomlkit.parse(text).unwrap()
-    except ParseError as exc:
-        reason = re.sub(r"\s*at line \d+ col \d+\s*$", "", str(exc))
-        raise ConfigError(
-            f"{path} is not valid TOML: {reason} (line {exc.line}, column {exc.col + 1})",
-            f"correct line {exc.line} of {path}",
-        ) from None
-    except TOMLKitError as exc:
-        raise ConfigError(f"{path} is not valid TOML: {exc}", f"correct {path}") from None
+    return parse_toml_document(text, path).unwrap()
 
 
 def detect_version(doc: Mapping[str, Any], installed_major: int | None, *, path: str | None = None) -> int:
@@ -409,7 +398,7 @@ def default_runtime_name(doc: Mapping[str, Any], version: int, path: str | None 
 
 def runtime_options(entry: Mapping[str, Any]) -> dict[str, Any]:
     options = entry.get("options")
-    return _plain(options) if isinstance(options, Mapping) else {}
+    return plain(options) if isinstance(options, Mapping) else {}
 
 
 def default_runtime_options(doc: Mapping[str, Any], version: int) -> dict[str, Any]:
@@ -559,12 +548,3 @@ def _systemd_cgroup_notes(runtimes: Mapping[str, Mapping[str, Any]], nvidia: str
             "it end up in the wrong cgroups and get killed on systemd-cgroup nodes"
         ]
     return []
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    unwrap = getattr(value, "unwrap", None)
-    return unwrap() if callable(unwrap) else value

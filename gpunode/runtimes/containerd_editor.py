@@ -61,23 +61,25 @@ def plan_containerd(host: Host, opts: ConfigureOptions) -> RuntimePlan:
         )
     fmt = TomlFormat()
     doc = fmt.parse(base_text or "", path)
-    version = ctd.detect_version(plain(doc), installed[0] if installed else None, path=path)
+    current = plain(doc)  # plain values once: reading through tomlkit items is slow
+    version = ctd.detect_version(current, installed[0] if installed else None, path=path)
     _check_version(path, version, installed)
-    if ctd.cri_disabled(plain(doc)):
+    if ctd.cri_disabled(current):
         raise ConfigError(
             f"{path} disables the CRI plugin (disabled_plugins): kubelet cannot use this containerd, so "
             "adding a runtime to it would change nothing",
             f'remove "cri" from disabled_plugins in {path} if kubelet should use this containerd',
         )
-    if not plain(doc):
+    if not current:
         doc["version"] = version
+        current = {"version": version}
         if base_text is not None and base_text.strip():
             messages.append(f"{path} holds only comments; gpunode writes a version {version} configuration")
-    merged = _merged(host, path, plain(doc), installed)
+    merged = _merged(host, path, current, installed)
 
     changes: list[FileChange] = []
     if opts.drop_in is None:
-        _refuse_overriding_imports(host, path, plain(doc), version, installed)
+        _refuse_overriding_imports(host, path, current, version, installed)
         editor = Editor(fmt, doc)
         _add_nvidia(editor, merged, version, opts, messages)
         after = fmt.render(doc, text) if editor.edits or text != base_text else text

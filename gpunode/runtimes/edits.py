@@ -237,21 +237,9 @@ class JsonFormat:
     name = "json"
 
     def parse(self, text: str, path: str) -> MutableMapping[str, Any]:
-        if not text.strip():
-            return {}
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(
-                f"{path} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}",
-                f"correct line {exc.lineno} of {path}; gpunode left the file untouched",
-            ) from None
-        if not isinstance(data, dict):
-            raise ConfigError(
-                f"{path} must hold a JSON object ({{...}}) at the top level",
-                f"make {path} a JSON object, e.g. {{}}",
-            )
-        return data
+        from gpunode.runtimes.docker import parse_daemon_json
+
+        return parse_daemon_json(text, path)
 
     def render(self, doc: MutableMapping[str, Any], original: str | None) -> str:
         return json.dumps(doc, indent=json_indent(original), ensure_ascii=False) + "\n"
@@ -296,16 +284,7 @@ class TomlFormat:
     def parse(self, text: str, path: str) -> MutableMapping[str, Any]:
         if text and not text.endswith("\n"):
             text += "\n"  # else a table gpunode appends would start on the last line of the file
-        try:
-            return tomlkit.parse(text)
-        except ParseError as exc:
-            reason = re.sub(r"\s*at line \d+ col \d+\s*$", "", str(exc))
-            raise ConfigError(
-                f"{path} is not valid TOML: {reason} (line {exc.line}, column {exc.col + 1})",
-                f"correct line {exc.line} of {path}; gpunode left the file untouched",
-            ) from None
-        except TOMLKitError as exc:
-            raise ConfigError(f"{path} is not valid TOML: {exc}", f"correct {path}") from None
+        return parse_toml_document(text, path)
 
     def render(self, doc: MutableMapping[str, Any], original: str | None) -> str:
         text = tomlkit.dumps(doc)
@@ -337,6 +316,20 @@ class TomlFormat:
         parent = _container_at(doc, path[:-1])
         if path[-1] in parent:
             del parent[path[-1]]
+
+
+def parse_toml_document(text: str, path: str) -> tomlkit.TOMLDocument:
+    """Parse TOML keeping its formatting; syntax errors name the file, line and column."""
+    try:
+        return tomlkit.parse(text)
+    except ParseError as exc:
+        reason = re.sub(r"\s*at line \d+ col \d+\s*$", "", str(exc))
+        raise ConfigError(
+            f"{path} is not valid TOML: {reason} (line {exc.line}, column {exc.col + 1})",
+            f"correct line {exc.line} of {path}",
+        ) from None
+    except TOMLKitError as exc:
+        raise ConfigError(f"{path} is not valid TOML: {exc}", f"correct {path}") from None
 
 
 def new_toml_document(header: str | None = None) -> MutableMapping[str, Any]:

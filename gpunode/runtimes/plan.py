@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from gpunode.runtimes.edits import Edit
+if TYPE_CHECKING:  # edits imports tomlkit; `gpunode --help` imports this module for a default value
+    from gpunode.runtimes.edits import Edit
 
 DEFAULT_RUNTIME_PATH = "/usr/bin/nvidia-container-runtime"
 RUNTIMES = ("docker", "containerd", "crio")
@@ -41,6 +42,8 @@ class FileChange:
         return self.before != self.after
 
     def diff(self) -> str:
+        import difflib
+
         old = [] if self.before is None else self.before.splitlines(keepends=True)
         new = [] if self.after is None else self.after.splitlines(keepends=True)
         lines = difflib.unified_diff(
