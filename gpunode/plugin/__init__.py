@@ -1,0 +1,1 @@
+"""The embedded Kubernetes device plugin (deviceplugin v1beta1) behind `gpunode plugin run`."""

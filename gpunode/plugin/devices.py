@@ -1,0 +1,320 @@
+"""What the plugin serves: the devices of each resource, built from the Inventory, and their health.
+
+`build_resources` is pure (Inventory + settings → resources and devices). `DeviceRegistry` is the one
+mutable, thread-safe piece: the health monitor marks GPUs or MIG instances unhealthy or healthy again,
+and every ListAndWatch stream of an affected resource wakes up (a condition variable, no polling).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from gpunode.errors import ConfigError
+from gpunode.nvml.model import Gpu, Inventory, MigDevice
+
+HEALTHY = "Healthy"
+UNHEALTHY = "Unhealthy"
+
+MIG_STRATEGIES = ("none", "single", "mixed")
+DEVICE_ID_STRATEGIES = ("uuid", "index")
+
+
+@dataclass(frozen=True)
+class Unit:
+    """Where a health event lands: a whole GPU (instance None) or one MIG instance (gi, ci) on it."""
+
+    gpu_index: int
+    instance: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class PluginDevice:
+    """One device as kubelet sees it, and what it stands for on the host."""
+
+    id: str  # the ID kubelet sees: the visible ID, plus "::<n>" for a time-sliced replica
+    visible_id: str  # what the container runtime is told: a GPU/MIG UUID, or "3" / "0:1" by index
+    uuid: str  # the GPU's or MIG instance's UUID, whatever the ID strategy
+    gpu_index: int  # the physical GPU (the parent of a MIG instance)
+    minor: int | None  # /dev/nvidia<minor> of the physical GPU
+    numa_node: int | None
+    mig: MigDevice | None = None
+    replica: int | None = None
+
+    @property
+    def unit(self) -> Unit:
+        if self.mig is None or self.mig.gpu_instance_id is None or self.mig.compute_instance_id is None:
+            return Unit(self.gpu_index)
+        return Unit(self.gpu_index, (self.mig.gpu_instance_id, self.mig.compute_instance_id))
+
+
+@dataclass(frozen=True)
+class Resource:
+    """One extended resource: its name, its socket file and its devices (in a stable order)."""
+
+    name: str  # e.g. nvidia.com/gpu, nvidia.com/mig-1g.5gb, nvidia.com/gpu.shared
+    socket_name: str  # file name in the device-plugins directory
+    devices: tuple[PluginDevice, ...]
+    replicas: int = 1  # time-slicing replicas per physical device (1: not shared)
+
+    def by_id(self) -> dict[str, PluginDevice]:
+        return {d.id: d for d in self.devices}
+
+
+def socket_name(resource: str) -> str:
+    """gpunode's socket for a resource: `gpunode-nvidia.com-gpu.sock` (kubelet allows only a file name)."""
+    return "gpunode-" + resource.replace("/", "-") + ".sock"
+
+
+@dataclass(frozen=True)
+class Sharing:
+    replicas: int = 1
+    rename_by_default: bool = False
+
+
+def build_resources(
+    inventory: Inventory,
+    *,
+    resource_name: str = "nvidia.com/gpu",
+    mig_strategy: str = "none",
+    device_id_strategy: str = "uuid",
+    sharing: Sharing = Sharing(),
+) -> tuple[Resource, ...]:
+    """Group the node's usable GPUs and MIG instances into resources, the way the strategies say.
+
+    Raises ConfigError when the node does not fit the MIG strategy (e.g. `single` with two profiles),
+    naming what was found, so the operator can pick `mixed` or re-partition.
+    """
+    if mig_strategy not in MIG_STRATEGIES:
+        raise ConfigError(
+            f"unknown MIG strategy {mig_strategy!r}", f"use one of: {', '.join(MIG_STRATEGIES)}"
+        )
+    if device_id_strategy not in DEVICE_ID_STRATEGIES:
+        raise ConfigError(
+            f"unknown device ID strategy {device_id_strategy!r}",
+            f"use one of: {', '.join(DEVICE_ID_STRATEGIES)}",
+        )
+    gpus = [g for g in inventory.gpus if g.uuid]
+    groups: dict[str, list[tuple[Gpu, MigDevice | None]]] = {}
+    if mig_strategy == "none":
+        groups[resource_name] = [(g, None) for g in gpus]
+    elif mig_strategy == "single":
+        groups[resource_name] = _single(gpus)
+    else:
+        for gpu in gpus:
+            if _mig_on(gpu):
+                for instance in gpu.mig_devices:
+                    if not instance.profile:
+                        raise ConfigError(
+                            f"MIG device {instance.uuid} on GPU {gpu.index} has no recognisable profile "
+                            f"(name {instance.name!r}), so it cannot be given a nvidia.com/mig-<profile> "
+                            "resource",
+                            "check `nvidia-smi -L`; use mig-strategy `single` or `none`",
+                        )
+                    groups.setdefault(_mig_resource(resource_name, instance.profile), []).append(
+                        (gpu, instance)
+                    )
+            else:
+                groups.setdefault(resource_name, []).append((gpu, None))
+        groups.setdefault(resource_name, [])
+
+    resources: list[Resource] = []
+    for name, members in groups.items():
+        shared_name = name + ".shared" if sharing.replicas > 1 and sharing.rename_by_default else name
+        devices: list[PluginDevice] = []
+        for gpu, mig in members:
+            base = _device(gpu, mig, device_id_strategy)
+            if sharing.replicas > 1:
+                devices.extend(
+                    PluginDevice(
+                        id=f"{base.id}::{n}",
+                        visible_id=base.visible_id,
+                        uuid=base.uuid,
+                        gpu_index=base.gpu_index,
+                        minor=base.minor,
+                        numa_node=base.numa_node,
+                        mig=base.mig,
+                        replica=n,
+                    )
+                    for n in range(sharing.replicas)
+                )
+            else:
+                devices.append(base)
+        resources.append(Resource(shared_name, socket_name(shared_name), tuple(devices), sharing.replicas))
+    return tuple(resources)
+
+
+def _mig_on(gpu: Gpu) -> bool:
+    return gpu.mig_mode is not None and gpu.mig_mode.current
+
+
+def _mig_resource(resource_name: str, profile: str) -> str:
+    domain = resource_name.split("/", 1)[0]
+    return f"{domain}/mig-{profile}"
+
+
+def _single(gpus: list[Gpu]) -> list[tuple[Gpu, MigDevice | None]]:
+    mig_gpus = [g for g in gpus if _mig_on(g)]
+    if not mig_gpus:
+        return [(g, None) for g in gpus]
+    plain = [g.index for g in gpus if not _mig_on(g)]
+    if plain:
+        raise ConfigError(
+            "MIG strategy `single` needs every GPU in MIG mode, but GPU "
+            + ", ".join(str(i) for i in plain)
+            + " is not",
+            "enable MIG on every GPU (`nvidia-smi -mig 1`) or use mig-strategy `mixed`",
+        )
+    profiles = sorted({m.profile or "?" for g in mig_gpus for m in g.mig_devices})
+    if len(profiles) > 1:
+        raise ConfigError(
+            "MIG strategy `single` needs one MIG profile on the whole node, found: " + ", ".join(profiles),
+            "re-partition the GPUs to one profile, or use mig-strategy `mixed`",
+        )
+    return [(g, m) for g in mig_gpus for m in g.mig_devices]
+
+
+def _device(gpu: Gpu, mig: MigDevice | None, id_strategy: str) -> PluginDevice:
+    uuid = mig.uuid if mig is not None else (gpu.uuid or "")
+    if id_strategy == "index":
+        visible = f"{gpu.index}:{mig.index}" if mig is not None else str(gpu.index)
+    else:
+        visible = uuid
+    return PluginDevice(
+        id=visible,
+        visible_id=visible,
+        uuid=uuid,
+        gpu_index=gpu.index,
+        minor=gpu.minor,
+        numa_node=gpu.numa_node,
+        mig=mig,
+    )
+
+
+@dataclass(frozen=True)
+class DeviceHealth:
+    device: PluginDevice
+    healthy: bool
+    reason: str | None  # why it is unhealthy
+
+
+@dataclass
+class _ResourceState:
+    resource: Resource
+    version: int = 0
+
+
+class DeviceRegistry:
+    """The served resources and the health of every unit, shared by the gRPC servers and the monitor.
+
+    Readers wait for a change with `wait_for_change(resource, seen_version)`; writers bump the version
+    of each resource whose devices changed and wake every waiter at once.
+    """
+
+    def __init__(self, resources: Iterable[Resource] = ()) -> None:
+        self._states: dict[str, _ResourceState] = {}
+        self._unhealthy: dict[Unit, str] = {}
+        self._cond = threading.Condition()
+        self._closed = False
+        self.replace(resources)
+
+    # -- writers --------------------------------------------------------------------------------
+
+    def replace(self, resources: Iterable[Resource]) -> None:
+        """Serve a new set of resources (after a reload); health marks of units still present stay."""
+        with self._cond:
+            old = self._states
+            self._states = {}
+            for r in resources:
+                prev = old.get(r.name)
+                self._states[r.name] = _ResourceState(r, (prev.version + 1) if prev else 0)
+            self._cond.notify_all()
+
+    def mark(self, unit: Unit, reason: str | None) -> bool:
+        """Mark a GPU (and everything on it) or one MIG instance unhealthy (reason) or healthy (None).
+
+        Returns True if anything changed.
+        """
+        with self._cond:
+            if reason is None:
+                if unit not in self._unhealthy:
+                    return False
+                del self._unhealthy[unit]
+            else:
+                if self._unhealthy.get(unit) == reason:
+                    return False
+                self._unhealthy[unit] = reason
+            for state in self._states.values():
+                if any(_covers(unit, d.unit) for d in state.resource.devices):
+                    state.version += 1
+            self._cond.notify_all()
+            return True
+
+    def close(self) -> None:
+        """Wake every waiter for good: the plugin is stopping."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def wake(self) -> None:
+        """Wake waiters so they can re-check their own stop condition (a stream was cancelled)."""
+        with self._cond:
+            self._cond.notify_all()
+
+    # -- readers --------------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def resources(self) -> tuple[Resource, ...]:
+        with self._cond:
+            return tuple(s.resource for s in self._states.values())
+
+    def resource(self, name: str) -> Resource | None:
+        with self._cond:
+            state = self._states.get(name)
+            return state.resource if state else None
+
+    def unhealthy_units(self) -> dict[Unit, str]:
+        with self._cond:
+            return dict(self._unhealthy)
+
+    def health_of(self, device: PluginDevice) -> DeviceHealth:
+        with self._cond:
+            return self._health(device)
+
+    def snapshot(self, name: str) -> tuple[int, tuple[DeviceHealth, ...]]:
+        """The resource's version and every device with its health (empty if the resource is gone)."""
+        with self._cond:
+            state = self._states.get(name)
+            if state is None:
+                return -1, ()
+            return state.version, tuple(self._health(d) for d in state.resource.devices)
+
+    def wait_for_change(self, name: str, seen: int, stop: threading.Event | None = None) -> bool:
+        """Block until the resource's version differs from `seen`; False when closed or `stop` is set."""
+        with self._cond:
+            while True:
+                if self._closed or (stop is not None and stop.is_set()):
+                    return False
+                state = self._states.get(name)
+                current = state.version if state else -1
+                if current != seen:
+                    return True
+                self._cond.wait()
+
+    def _health(self, device: PluginDevice) -> DeviceHealth:
+        unit = device.unit
+        reason = self._unhealthy.get(Unit(unit.gpu_index))
+        if reason is None and unit.instance is not None:
+            reason = self._unhealthy.get(unit)
+        return DeviceHealth(device, reason is None, reason)
+
+
+def _covers(marked: Unit, device_unit: Unit) -> bool:
+    """A mark on a whole GPU covers every device on it; a mark on a MIG instance covers only that one."""
+    if marked.gpu_index != device_unit.gpu_index:
+        return False
+    return marked.instance is None or marked.instance == device_unit.instance
