@@ -1,0 +1,184 @@
+"""Allocate: check the requested device IDs, then tell the container runtime which GPUs to expose.
+
+Pure functions over the resource's devices; the gRPC servicer turns `Refused` into a status code and
+`ContainerAllocation` into the protobuf answer. What the host offers (device nodes, MIG capability
+nodes) is read once at start by `read_device_nodes`, never per call: kubelet waits on Allocate.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from gpunode.errors import GpunodeError
+from gpunode.host import Host
+from gpunode.plugin.devices import DeviceHealth, PluginDevice, Resource
+
+VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
+VOLUME_MOUNT_DIR = "/var/run/nvidia-container-devices"
+CDI_ANNOTATION_PREFIX = "cdi.k8s.io/"
+# Control nodes every CUDA container needs besides its /dev/nvidiaN, when they exist on the host.
+CONTROL_DEVICES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset")
+
+_ANNOTATION_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+class Refused(Exception):
+    """A request kubelet must not get devices for; `code` is the gRPC status name."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class DeviceNodes:
+    """Device nodes under the driver root, found once at start."""
+
+    driver_root: str = "/"
+    control: tuple[str, ...] = ()  # container paths of the control nodes that exist
+    mig_caps: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # MIG UUID -> cap device paths
+
+    def host_path(self, container_path: str) -> str:
+        if self.driver_root == "/":
+            return container_path
+        return posixpath.join(self.driver_root, container_path.lstrip("/"))
+
+
+@dataclass(frozen=True)
+class AllocateSettings:
+    device_list_strategy: tuple[str, ...] = ("envvar",)
+    pass_device_specs: bool = False
+    cdi_kind: str = "nvidia.com/gpu"
+    fail_requests_greater_than_one: bool = False
+    nodes: DeviceNodes = field(default_factory=DeviceNodes)
+
+
+@dataclass(frozen=True)
+class ContainerAllocation:
+    envs: dict[str, str] = field(default_factory=dict)
+    mounts: tuple[tuple[str, str, bool], ...] = ()  # (container path, host path, read only)
+    devices: tuple[tuple[str, str, str], ...] = ()  # (container path, host path, permissions)
+    annotations: dict[str, str] = field(default_factory=dict)
+    cdi_devices: tuple[str, ...] = ()
+
+
+def allocate(
+    resource: Resource,
+    containers: Sequence[Sequence[str]],
+    health: Callable[[PluginDevice], DeviceHealth],
+    settings: AllocateSettings,
+) -> list[ContainerAllocation]:
+    """One answer per container, or Refused naming the first bad ID (nothing is half-allocated)."""
+    known = resource.by_id()
+    answers: list[ContainerAllocation] = []
+    for ids in containers:
+        devices = _check(resource, known, ids, health, settings)
+        answers.append(_answer(devices, settings))
+    return answers
+
+
+def _check(
+    resource: Resource,
+    known: Mapping[str, PluginDevice],
+    ids: Sequence[str],
+    health: Callable[[PluginDevice], DeviceHealth],
+    settings: AllocateSettings,
+) -> list[PluginDevice]:
+    if not ids:
+        raise Refused("INVALID_ARGUMENT", f"Allocate for {resource.name} named no device IDs")
+    if len(set(ids)) != len(ids):
+        dupes = sorted({i for i in ids if list(ids).count(i) > 1})
+        raise Refused("INVALID_ARGUMENT", f"device ID {', '.join(dupes)} requested more than once")
+    if resource.replicas > 1 and settings.fail_requests_greater_than_one and len(ids) > 1:
+        raise Refused(
+            "INVALID_ARGUMENT",
+            f"request for {len(ids)} {resource.name} refused: the GPUs are time-sliced and "
+            "fail-requests-greater-than-one is set, so a container may ask for at most 1",
+        )
+    devices: list[PluginDevice] = []
+    for device_id in ids:
+        device = known.get(device_id)
+        if device is None:
+            raise Refused(
+                "INVALID_ARGUMENT",
+                f"unknown device ID {device_id!r} for resource {resource.name} "
+                f"({len(known)} device{'s' if len(known) != 1 else ''} served)",
+            )
+        state = health(device)
+        if not state.healthy:
+            raise Refused("FAILED_PRECONDITION", f"device {device_id} is unhealthy: {state.reason}")
+        devices.append(device)
+    return devices
+
+
+def _answer(devices: list[PluginDevice], settings: AllocateSettings) -> ContainerAllocation:
+    # Replicas of one GPU are one device to the runtime: expose each physical device once, in order.
+    visible = list(dict.fromkeys(d.visible_id for d in devices))
+    envs: dict[str, str] = {}
+    mounts: list[tuple[str, str, bool]] = []
+    annotations: dict[str, str] = {}
+    cdi: list[str] = []
+    for strategy in settings.device_list_strategy:
+        if strategy == "envvar":
+            envs[VISIBLE_DEVICES] = ",".join(visible)
+        elif strategy == "volume-mounts":
+            # nvidia-container-runtime reads the IDs from these mount points when its config says
+            # accept-nvidia-visible-devices-as-volume-mounts = true (unprivileged pods cannot fake it).
+            envs[VISIBLE_DEVICES] = VOLUME_MOUNT_DIR
+            mounts.extend((f"{VOLUME_MOUNT_DIR}/{v}", "/dev/null", True) for v in visible)
+        elif strategy == "cdi-cri":
+            cdi.extend(f"{settings.cdi_kind}={v}" for v in visible)
+        elif strategy == "cdi-annotations":
+            for v in visible:
+                key = f"{CDI_ANNOTATION_PREFIX}gpunode_{_ANNOTATION_UNSAFE.sub('-', v)}"
+                annotations[key] = f"{settings.cdi_kind}={v}"
+    specs: list[tuple[str, str, str]] = []
+    if settings.pass_device_specs:
+        nodes = settings.nodes
+        wanted = list(nodes.control)
+        for device in devices:
+            if device.minor is not None:
+                wanted.append(f"/dev/nvidia{device.minor}")
+            if device.mig is not None:
+                wanted.extend(nodes.mig_caps.get(device.uuid, ()))
+        specs = [(p, nodes.host_path(p), "rw") for p in dict.fromkeys(wanted)]
+    return ContainerAllocation(envs, tuple(mounts), tuple(specs), annotations, tuple(cdi))
+
+
+def read_device_nodes(host: Host, driver_root: str, resources: Sequence[Resource]) -> DeviceNodes:
+    """Which control nodes exist under the driver root, and each MIG instance's capability nodes."""
+    probe = DeviceNodes(driver_root=driver_root)
+    control = tuple(p for p in CONTROL_DEVICES if host.exists(probe.host_path(p)))
+    caps: dict[str, tuple[str, ...]] = {}
+    for resource in resources:
+        for device in resource.devices:
+            mig = device.mig
+            if mig is None or device.minor is None or device.uuid in caps:
+                continue
+            if mig.gpu_instance_id is None or mig.compute_instance_id is None:
+                continue
+            # The driver publishes each instance's access capability as a minor of /dev/nvidia-caps.
+            base = f"/proc/driver/nvidia/capabilities/gpu{device.minor}/mig/gi{mig.gpu_instance_id}"
+            found = []
+            for access in (f"{base}/access", f"{base}/ci{mig.compute_instance_id}/access"):
+                minor = _cap_minor(host, probe.host_path(access))
+                if minor is not None:
+                    found.append(f"/dev/nvidia-caps/nvidia-cap{minor}")
+            caps[device.uuid] = tuple(found)
+    return DeviceNodes(driver_root=driver_root, control=control, mig_caps=caps)
+
+
+def _cap_minor(host: Host, path: str) -> int | None:
+    try:
+        text = host.read_text_if_exists(path)
+    except GpunodeError:
+        return None
+    for line in (text or "").splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "DeviceFileMinor" and value.strip().isdigit():
+            return int(value.strip())
+    return None
