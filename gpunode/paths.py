@@ -2,7 +2,9 @@
 
 DEVICE_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
 KUBELET_SOCKET = f"{DEVICE_PLUGIN_DIR}/kubelet.sock"
-PLUGIN_SOCKET_NAME = "gpunode.sock"
+# gpunode serves one socket per resource, "gpunode-<resource with / as ->.sock" (gpunode.plugin.devices).
+PLUGIN_SOCKET_PREFIX = "gpunode-"
+PLUGIN_SOCKET_NAME = "gpunode-nvidia.com-gpu.sock"
 PLUGIN_SOCKET = f"{DEVICE_PLUGIN_DIR}/{PLUGIN_SOCKET_NAME}"
 PLUGIN_SERVICE = "gpunode-device-plugin.service"
 # NVIDIA's own device plugin (k8s-device-plugin) serves on this socket name.

@@ -127,7 +127,7 @@ def healthy_node(root: Path) -> Node:
         }
     )
     n.socket("/var/lib/kubelet/device-plugins/kubelet.sock")
-    n.socket("/var/lib/kubelet/device-plugins/gpunode.sock")
+    n.socket("/var/lib/kubelet/device-plugins/gpunode-nvidia.com-gpu.sock")
     return n
 
 

@@ -631,10 +631,11 @@ def check_plugin(ctx: Context) -> Iterable[Finding]:
         yield Finding("plugin", Status.SKIP, "device plugin not checked: no kubelet")
         return
     state = ctx.service(paths.PLUGIN_SERVICE)
-    ours = host.is_socket(paths.PLUGIN_SOCKET)
+    sockets = _our_plugin_sockets(host)
+    ours = ", ".join(sockets)
     nvidia = host.is_socket(paths.NVIDIA_PLUGIN_SOCKET)
     if state == "active" and ours:
-        yield Finding("plugin", Status.OK, f"gpunode device plugin running ({paths.PLUGIN_SOCKET})")
+        yield Finding("plugin", Status.OK, f"gpunode device plugin running ({ours})")
     elif state == "active":
         yield Finding(
             "plugin",
@@ -654,15 +655,30 @@ def check_plugin(ctx: Context) -> Iterable[Finding]:
             "plugin", Status.OK, f"NVIDIA's device plugin is serving ({paths.NVIDIA_PLUGIN_SOCKET})"
         )
     elif ours:
-        yield Finding("plugin", Status.OK, f"a gpunode device plugin is serving ({paths.PLUGIN_SOCKET})")
+        yield Finding("plugin", Status.OK, f"a gpunode device plugin is serving ({ours})")
     else:
         yield Finding(
             "plugin",
             Status.FAIL,
             "no GPU device plugin is serving: the node advertises no nvidia.com/gpu",
-            fix="deploy a device plugin: NVIDIA's k8s-device-plugin DaemonSet, or `gpunode plugin run` as a "
-            "service",
+            fix="run gpunode's device plugin: `gpunode plugin run` (as a service), or deploy NVIDIA's "
+            "k8s-device-plugin DaemonSet",
         )
+
+
+def _our_plugin_sockets(host: Host) -> list[str]:
+    """gpunode's sockets in the device-plugins directory: one per resource it serves."""
+    try:
+        names = host.listdir(paths.DEVICE_PLUGIN_DIR)
+    except GpunodeError:
+        return []
+    return [
+        f"{paths.DEVICE_PLUGIN_DIR}/{name}"
+        for name in sorted(names)
+        if name.startswith(paths.PLUGIN_SOCKET_PREFIX)
+        and name.endswith(".sock")
+        and host.is_socket(f"{paths.DEVICE_PLUGIN_DIR}/{name}")
+    ]
 
 
 ALL_CHECKS: tuple[Callable[[Context], Iterable[Finding]], ...] = (

@@ -240,7 +240,7 @@ def test_kubelet_without_registration_socket_and_no_plugin(
 ) -> None:
     fake_nvml("pcie-4")
     node.remove("/var/lib/kubelet/device-plugins/kubelet.sock")
-    node.remove("/var/lib/kubelet/device-plugins/gpunode.sock")
+    node.remove("/var/lib/kubelet/device-plugins/gpunode-nvidia.com-gpu.sock")
     node.services["kubelet.service"] = "failed"
     node.services["gpunode-device-plugin.service"] = "inactive"
     code, report = doctor_json(node, capsys)
@@ -257,7 +257,7 @@ def test_nvidia_device_plugin_counts(
     node: Node, fake_nvml: Callable[..., None], capsys: pytest.CaptureFixture[str]
 ) -> None:
     fake_nvml("pcie-4")
-    node.remove("/var/lib/kubelet/device-plugins/gpunode.sock")
+    node.remove("/var/lib/kubelet/device-plugins/gpunode-nvidia.com-gpu.sock")
     node.services["gpunode-device-plugin.service"] = "inactive"
     node.socket("/var/lib/kubelet/device-plugins/nvidia-gpu.sock")
     _, report = doctor_json(node, capsys)
