@@ -1,0 +1,732 @@
+"""GPU health for the device plugin: NVML events and lost GPUs, reported into the DeviceRegistry.
+
+One thread per `HealthMonitor` holds its own NVML reference for its whole life and blocks in
+`nvmlEventSetWait_v2` on an event set that has every watched GPU's Xid and double-bit ECC events
+registered. NVML cannot interrupt a wait, so each wait lasts at most `WAIT_SLICE_S`: that bounds how long
+`stop()` takes, and costs nothing measurable (the real wait sleeps in the kernel).
+
+What it does beyond NVIDIA's plugin, whose known weak points are listed in the deviceplugin spec:
+
+- A critical event marks the whole GPU (`Unit(index)`), which the registry applies to every replica and
+  MIG device on it; an event addressed to one MIG instance marks only that instance.
+- A GPU that falls off the bus is found by probing, since a wait that returns GPU_IS_LOST does not say
+  which GPU it was.
+- An unhealthy GPU becomes healthy again once NVML has reported it fine for `recovery_quiet_period`
+  seconds with no new critical event. Re-checks are scheduled through the wait's timeout, only while
+  something is unhealthy.
+- A failed wait is logged and retried with backoff (a new event set, re-initialising NVML if it was torn
+  down), and never marks anything unhealthy by itself.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import math
+import re
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import suppress
+from dataclasses import dataclass, replace
+from typing import Any
+
+from gpunode.errors import ConfigError
+from gpunode.nvml.discovery import FUNCTION_NOT_FOUND, GPU_IS_LOST, NOT_SUPPORTED, _session_lock
+from gpunode.nvml.model import Gpu, MigDevice
+from gpunode.plugin.devices import DeviceRegistry, Unit
+
+LOGGER_NAME = "gpunode.plugin.health"
+
+# Application errors: the job that caused them failed, the GPU itself is fine (NVIDIA's plugin ignores
+# the same six by default).
+APPLICATION_XIDS: frozenset[int] = frozenset({13, 31, 43, 45, 68, 109})
+
+ENV_DISABLE = "DP_DISABLE_HEALTHCHECKS"
+ENV_ENABLE = "DP_ENABLE_HEALTHCHECKS"
+
+# nvml.h values, named here so the module reads without pynvml at hand.
+EVENT_DOUBLE_BIT_ECC = 0x2
+EVENT_XID = 0x8
+WATCHED_EVENTS = EVENT_XID | EVENT_DOUBLE_BIT_ECC
+NO_INSTANCE = 0xFFFFFFFF  # gpuInstanceId / computeInstanceId of an event for the whole GPU
+UNINITIALIZED = 1
+TIMEOUT = 10
+
+WAIT_SLICE_S = 0.25  # the longest single nvmlEventSetWait: how late stop() can be noticed
+BACKOFF_FIRST_S = 0.1
+BACKOFF_MAX_S = 10.0
+RECHECK_MAX_S = 5.0  # while something is unhealthy, probe it at least this often
+
+LOST_REASON = "lost from the bus (NVML: GPU is lost)"
+ECC_REASON = "double-bit ECC error"
+
+# A few Xids an operator meets most; the rest are named by number only (see NVIDIA's Xid catalogue).
+XID_NAMES = {
+    13: "graphics engine exception",
+    31: "GPU memory page fault",
+    43: "GPU stopped processing",
+    45: "preemptive cleanup, due to previous errors",
+    48: "double-bit ECC error",
+    61: "internal micro-controller breakpoint/warning",
+    62: "internal micro-controller halt",
+    63: "ECC page retirement or row remapping recording event",
+    64: "ECC page retirement or row remapping recording failure",
+    68: "video processor exception",
+    74: "NVLink error",
+    79: "GPU has fallen off the bus",
+    92: "high single-bit ECC error rate",
+    94: "contained ECC error",
+    95: "uncontained ECC error",
+    109: "context switch timeout",
+    119: "GSP RPC timeout",
+    120: "GSP error",
+}
+
+_XID_TEXT = re.compile(r"[0-9]+")
+
+
+def xid_reason(xid: int) -> str:
+    name = XID_NAMES.get(xid)
+    return f"Xid {xid} ({name})" if name else f"Xid {xid}"
+
+
+@dataclass(frozen=True)
+class HealthSettings:
+    """What makes a GPU unhealthy, and when it may become healthy again."""
+
+    enabled: bool = True
+    ignored_xids: frozenset[int] = APPLICATION_XIDS
+    critical_xids: frozenset[int] = frozenset()  # always critical: wins over ignored_xids
+    all_xids_critical: bool = False  # every Xid is critical, ignored_xids included
+    recovery_quiet_period: float = 60.0  # seconds a GPU must be fine again; 0: never recover on its own
+
+    def __post_init__(self) -> None:
+        if isinstance(self.recovery_quiet_period, bool) or not (
+            isinstance(self.recovery_quiet_period, (int, float))
+            and math.isfinite(self.recovery_quiet_period)
+            and self.recovery_quiet_period >= 0
+        ):
+            raise ConfigError(
+                f"health recovery quiet period {self.recovery_quiet_period!r} is not a number of seconds "
+                "(0 or more)",
+                "give seconds, e.g. 60; 0 turns automatic recovery off",
+            )
+        for name in ("ignored_xids", "critical_xids"):
+            for xid in getattr(self, name):
+                if isinstance(xid, bool) or not isinstance(xid, int) or xid < 0:
+                    raise ConfigError(f"health {name}: {xid!r} is not an Xid number")
+
+    def is_critical(self, xid: int) -> bool:
+        if self.all_xids_critical or xid in self.critical_xids:
+            return True
+        return xid not in self.ignored_xids
+
+    def describe(self) -> str:
+        if not self.enabled:
+            return "health checks are off"
+        if self.all_xids_critical:
+            xids = "every Xid is critical"
+        else:
+            ignored = sorted(self.ignored_xids - self.critical_xids)
+            xids = "ignoring Xids " + ", ".join(map(str, ignored)) if ignored else "no Xid is ignored"
+        recovery = (
+            f"a GPU is healthy again after {self.recovery_quiet_period:g}s fine"
+            if self.recovery_quiet_period > 0
+            else "no automatic recovery"
+        )
+        return f"{xids}; double-bit ECC errors and lost GPUs are critical; {recovery}"
+
+
+def apply_dp_environment(settings: HealthSettings, env: Mapping[str, str]) -> HealthSettings:
+    """Apply NVIDIA's DP_DISABLE_HEALTHCHECKS / DP_ENABLE_HEALTHCHECKS, as k8s-device-plugin reads them.
+
+    Both are comma-separated, case-insensitive, blanks around items and empty items ignored.
+    - DP_DISABLE_HEALTHCHECKS: an item `all` or `xids` turns the health checks off; Xid numbers are
+      ignored in addition to `ignored_xids`.
+    - DP_ENABLE_HEALTHCHECKS: Xid numbers are critical even if ignored (`critical_xids`); `all` or
+      `xids` makes every Xid critical, and then DP_DISABLE_HEALTHCHECKS=all does not turn checks off.
+    Unlike NVIDIA's plugin, which skips a malformed item silently, a malformed item is a ConfigError.
+    """
+    disable_all, disabled = _parse_xid_list(ENV_DISABLE, env.get(ENV_DISABLE, ""))
+    enable_all, enabled_xids = _parse_xid_list(ENV_ENABLE, env.get(ENV_ENABLE, ""))
+    enabled = settings.enabled
+    if disable_all and not enable_all:
+        enabled = False
+        if enabled_xids:
+            # NVIDIA's plugin turns everything off here too, whatever the Xid list says; say so.
+            logging.getLogger(LOGGER_NAME).warning(
+                "%s=all turns the health checks off; the Xids in %s have no effect (use %s=all to keep "
+                "checks on)",
+                ENV_DISABLE,
+                ENV_ENABLE,
+                ENV_ENABLE,
+            )
+    return replace(
+        settings,
+        enabled=enabled,
+        ignored_xids=settings.ignored_xids | disabled,
+        critical_xids=settings.critical_xids | enabled_xids,
+        all_xids_critical=settings.all_xids_critical or enable_all,
+    )
+
+
+def _parse_xid_list(variable: str, raw: str) -> tuple[bool, frozenset[int]]:
+    """(`all` given, the Xids given) of one DP_* variable."""
+    xids: set[int] = set()
+    everything = False
+    for item in (part.strip() for part in raw.lower().split(",")):
+        if not item:
+            continue
+        if item in ("all", "xids"):
+            everything = True
+            continue
+        if not _XID_TEXT.fullmatch(item):
+            raise ConfigError(
+                f"{variable}={raw!r}: {item!r} is not an Xid number",
+                f"set {variable} to `all`, or to Xid numbers separated by commas, e.g. `48,79`",
+            )
+        xid = int(item)
+        if xid == 0 or xid >= 2**64:
+            # NVIDIA's plugin keeps "all" under Xid 0, so a 0 there would silently mean `all`.
+            raise ConfigError(
+                f"{variable}={raw!r}: {item} is not an Xid",
+                "write `all` to mean every Xid; Xids are numbers from 1 up, e.g. `48,79`",
+            )
+        xids.add(xid)
+    return everything, frozenset(xids)
+
+
+# -- the monitor --------------------------------------------------------------------------------
+
+
+class _NvmlGone(Exception):
+    """Internal: NVML says it is not initialised any more; the thread must init it again."""
+
+
+@dataclass
+class _Watched:
+    """One physical GPU the monitor watches, found again by UUID on every lookup."""
+
+    index: int
+    uuid: str
+    migs: tuple[MigDevice, ...]
+    address: int | None = None  # the NVML handle's address: events name their GPU by handle
+    registered: bool = False  # on the current event set, with every event it supports (maybe none)
+    events: int = 0  # the event types registered
+
+    @property
+    def label(self) -> str:
+        return f"GPU {self.index} ({self.uuid})"
+
+    def mig_at(self, instance: tuple[int, int]) -> MigDevice | None:
+        for mig in self.migs:
+            if (mig.gpu_instance_id, mig.compute_instance_id) == instance:
+                return mig
+        return None
+
+
+@dataclass
+class _Trouble:
+    """A unit this monitor marked unhealthy, and when to look at it again."""
+
+    reason: str
+    since: float  # the last bad news (an event or a failed probe): the quiet period counts from here
+    next_check: float
+
+
+@dataclass
+class _Backoff:
+    delay: float = BACKOFF_FIRST_S
+    failures: int = 0
+
+    def next(self) -> float:
+        current = self.delay
+        self.failures += 1
+        self.delay = min(self.delay * 2, BACKOFF_MAX_S)
+        return current
+
+    def reset(self) -> None:
+        self.delay = BACKOFF_FIRST_S
+        self.failures = 0
+
+
+class HealthMonitor:
+    """Watches the GPUs of one discovery and marks units unhealthy (and healthy again) in the registry."""
+
+    def __init__(
+        self,
+        registry: DeviceRegistry,
+        gpus: Sequence[Gpu],
+        settings: HealthSettings,
+        log: logging.Logger | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._registry = registry
+        self._settings = settings
+        self._log = log or logging.getLogger(LOGGER_NAME)
+        self._clock = clock
+        self._watched: dict[int, _Watched] = {}
+        for gpu in gpus:
+            if not gpu.uuid:
+                # Without a UUID the GPU cannot be found again safely, and it serves no device either.
+                self._log.warning("GPU %d has no UUID (%s); not watching it", gpu.index, _why_no_uuid(gpu))
+                continue
+            self._watched[gpu.index] = _Watched(gpu.index, gpu.uuid, gpu.mig_devices)
+        self._troubles: dict[Unit, _Trouble] = {}
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._arms = 0
+        self._nvml: Any = None
+        self._event_set: Any = None
+        self._initialised = False  # this monitor holds an NVML reference
+
+    # -- control ----------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start watching in a background thread (returns at once; see wait_ready)."""
+        if not self._settings.enabled:
+            self._log.info("GPU health checks are off (configuration or %s); no GPU is watched", ENV_DISABLE)
+            return
+        if self._thread is not None:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="gpunode-health", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> bool:
+        """Stop the thread and release NVML; True once the thread is gone (or was never started)."""
+        self._stop.set()
+        thread = self._thread
+        if thread is None:
+            return True
+        thread.join(timeout)
+        if thread.is_alive():
+            self._log.warning("the health thread did not stop within %.1fs", timeout)
+            return False
+        self._thread = None
+        return True
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Block until events are registered and the thread is waiting for them; False on timeout."""
+        return self._ready.wait(timeout)
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def arms(self) -> int:
+        """How many times an event set was armed: grows by one on each recovery from a failed wait."""
+        return self._arms
+
+    # -- the thread -------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        import pynvml
+
+        self._nvml = pynvml
+        backoff = _Backoff()
+        try:
+            while not self._stop.is_set():
+                try:
+                    if self._event_set is None and not self._arm():
+                        self._pause(backoff.next())
+                        continue
+                    self._wait_once(backoff)
+                    self._recheck()
+                except _NvmlGone:
+                    self._initialised = False
+                    self._disarm()
+                    delay = backoff.next()
+                    self._log.warning(
+                        "NVML was shut down under the health monitor; re-initialising in %.1fs", delay
+                    )
+                    self._pause(delay)
+                except Exception:
+                    # A bug or an NVML surprise must not end health checking for the plugin's lifetime.
+                    delay = backoff.next()
+                    self._log.exception("health monitor error; re-arming in %.1fs", delay)
+                    self._disarm()
+                    self._pause(delay)
+        finally:
+            self._disarm()
+            if self._initialised:
+                with _session_lock, suppress(pynvml.NVMLError):
+                    pynvml.nvmlShutdown()
+                self._initialised = False
+            self._log.info("GPU health checks stopped")
+
+    def _pause(self, seconds: float) -> None:
+        self._stop.wait(seconds)
+
+    def _adopt_marks(self, now: float) -> None:
+        # Marks left by an earlier monitor (before a reload) would otherwise never be re-checked.
+        for unit, reason in self._registry.unhealthy_units().items():
+            if unit.gpu_index in self._watched and unit not in self._troubles:
+                self._troubles[unit] = _Trouble(reason, now, now + self._recheck_interval())
+                self._log.info("%s was unhealthy before (%s); re-checking it", self._unit_label(unit), reason)
+
+    def _arm(self) -> bool:
+        nvml = self._nvml
+        if not self._initialised:
+            try:
+                # The lock keeps this init from interleaving with a discovery's init/shutdown.
+                with _session_lock:
+                    nvml.nvmlInit()
+            except nvml.NVMLError as exc:
+                self._log.warning("NVML initialisation for health checks failed: %s", exc)
+                return False
+            self._initialised = True
+        try:
+            self._event_set = nvml.nvmlEventSetCreate()
+        except nvml.NVMLError as exc:
+            if _code(exc) == UNINITIALIZED:
+                raise _NvmlGone from exc
+            self._log.warning("creating an NVML event set failed: %s", exc)
+            return False
+        now = self._clock()
+        failures = [(w, f) for w in self._watched.values() if (f := self._register(w)) is not None]
+        registered = sum(1 for w in self._watched.values() if w.registered and w.events)
+        # The first line that says "health": tests and operators may take it as "armed".
+        if self._arms == 0:
+            self._log.info(
+                "health monitor armed: events registered on %d of %d GPU(s); %s",
+                registered,
+                len(self._watched),
+                self._settings.describe(),
+            )
+        else:
+            self._log.info("health monitor armed again: events registered on %d GPU(s)", registered)
+        self._arms += 1
+        self._ready.set()
+        for watched, failure in failures:
+            self._probe_failed(Unit(watched.index), failure, now)
+        if self._arms == 1:
+            self._adopt_marks(now)
+        return True
+
+    def _disarm(self) -> None:
+        self._ready.clear()
+        for watched in self._watched.values():
+            watched.registered = False
+            watched.events = 0
+            watched.address = None
+        if self._event_set is not None:
+            # A set from a torn-down NVML is already gone; freeing it can only fail.
+            with suppress(Exception):
+                self._nvml.nvmlEventSetFree(self._event_set)
+            self._event_set = None
+
+    def _register(self, watched: _Watched) -> Exception | None:
+        """Register the GPU's supported health events on the current set; the NVML error if that failed."""
+        nvml = self._nvml
+        try:
+            handle = nvml.nvmlDeviceGetHandleByUUID(watched.uuid)
+            watched.address = _address(handle)
+            try:
+                supported = int(nvml.nvmlDeviceGetSupportedEventTypes(handle))
+            except nvml.NVMLError as exc:
+                if _code(exc) not in (NOT_SUPPORTED, FUNCTION_NOT_FOUND):
+                    raise
+                supported = 0
+            wanted = supported & WATCHED_EVENTS
+            if wanted:
+                nvml.nvmlDeviceRegisterEvents(handle, wanted, self._event_set)
+        except nvml.NVMLError as exc:
+            if _code(exc) == UNINITIALIZED:
+                raise _NvmlGone from exc
+            if _code(exc) != NOT_SUPPORTED:
+                failure: Exception = exc  # pynvml is untyped
+                return failure
+            self._log.warning("%s is too old for NVML event notification (%s)", watched.label, exc)
+            wanted = 0
+        watched.registered = True
+        watched.events = wanted
+        if not wanted:
+            self._log.warning(
+                "%s supports no Xid or double-bit ECC events; only a lost GPU can be noticed on it",
+                watched.label,
+            )
+        elif wanted != WATCHED_EVENTS:
+            self._log.info("%s supports only %s events", watched.label, _event_names(wanted))
+        return None
+
+    def _wait_once(self, backoff: _Backoff) -> None:
+        nvml = self._nvml
+        timeout_ms = math.ceil(self._wait_timeout() * 1000)
+        try:
+            data = nvml.nvmlEventSetWait_v2(self._event_set, timeout_ms)
+        except nvml.NVMLError as exc:
+            code = _code(exc)
+            if code == TIMEOUT:
+                backoff.reset()
+            elif code == GPU_IS_LOST:
+                if self._find_lost() == 0:
+                    # Told again about a GPU already known lost: a set without it stops the repeats
+                    # (a lost GPU cannot be registered), and the backoff keeps this from spinning.
+                    delay = backoff.next()
+                    self._log.info("NVML keeps reporting a lost GPU; making a new event set in %.1fs", delay)
+                    self._disarm()
+                    self._pause(delay)
+            elif code == UNINITIALIZED:
+                raise _NvmlGone from exc
+            else:
+                delay = backoff.next()
+                self._log.warning(
+                    "waiting for NVML events failed (%s); no GPU is marked for it; re-arming in %.1fs "
+                    "(failure %d in a row)",
+                    exc,
+                    delay,
+                    backoff.failures,
+                )
+                self._disarm()
+                self._pause(delay)
+            return
+        backoff.reset()
+        self._on_event(data)
+
+    def _wait_timeout(self) -> float:
+        if not self._troubles or self._settings.recovery_quiet_period <= 0:
+            return WAIT_SLICE_S
+        due = min(t.next_check for t in self._troubles.values()) - self._clock()
+        return max(0.0, min(WAIT_SLICE_S, due))
+
+    # -- events -----------------------------------------------------------------------------------
+
+    def _on_event(self, data: Any) -> None:
+        now = self._clock()
+        event_type = int(data.eventType)
+        watched = self._watched_by_handle(data.device)
+        if event_type == EVENT_XID:
+            xid = int(data.eventData)
+            reason = xid_reason(xid)
+            where = watched.label if watched is not None else "an unidentified GPU"
+            if not self._settings.is_critical(xid):
+                self._log.info("%s on %s ignored (not critical by the settings)", reason, where)
+                return
+        elif event_type == EVENT_DOUBLE_BIT_ECC:
+            reason = ECC_REASON
+        else:
+            self._log.debug("ignoring NVML event type %#x", event_type)
+            return
+        if watched is None:
+            # Never mark every GPU for one unattributable event; a lost GPU shows up in the probes.
+            self._log.warning("%s on a GPU this monitor cannot identify; probing for lost GPUs", reason)
+            self._find_lost()
+            return
+        for unit in self._units_for(watched, int(data.gpuInstanceId), int(data.computeInstanceId), reason):
+            self._mark_bad(unit, reason, now)
+
+    def _watched_by_handle(self, handle: Any) -> _Watched | None:
+        address = _address(handle)
+        for watched in self._watched.values():
+            if address is not None and watched.address == address:
+                return watched
+        # A handle from outside our lookups: ask for its UUID (fails on a lost GPU).
+        try:
+            uuid = _text(self._nvml.nvmlDeviceGetUUID(handle))
+        except self._nvml.NVMLError:
+            return None
+        for watched in self._watched.values():
+            if watched.uuid == uuid:
+                return watched
+        return None
+
+    def _units_for(self, watched: _Watched, gi: int, ci: int, reason: str) -> list[Unit]:
+        known = [
+            (m.gpu_instance_id, m.compute_instance_id)
+            for m in watched.migs
+            if m.gpu_instance_id is not None and m.compute_instance_id is not None
+        ]
+        if (gi == NO_INSTANCE and ci == NO_INSTANCE) or not known:
+            return [Unit(watched.index)]
+        if NO_INSTANCE not in (gi, ci):
+            return [Unit(watched.index, (gi, ci))]
+        # Only one of the two ids given: every instance that matches the given one.
+        matched = [k for k in known if gi in (NO_INSTANCE, k[0]) and ci in (NO_INSTANCE, k[1])]
+        if not matched:
+            self._log.warning(
+                "%s on %s names MIG instance gi %s ci %s, which this node does not serve; nothing marked",
+                reason,
+                watched.label,
+                "any" if gi == NO_INSTANCE else gi,
+                "any" if ci == NO_INSTANCE else ci,
+            )
+        return [Unit(watched.index, k) for k in matched]
+
+    def _find_lost(self) -> int:
+        """A wait said some GPU is lost without naming it: probe each and mark the lost ones.
+
+        Returns how many of them were not known to be lost before."""
+        now = self._clock()
+        lost = new = 0
+        for watched in self._watched.values():
+            failure = self._probe(watched.uuid)
+            if failure is not None and _code(failure) == GPU_IS_LOST:
+                lost += 1
+                trouble = self._troubles.get(Unit(watched.index))
+                new += trouble is None or trouble.reason != LOST_REASON
+                watched.registered = False
+                self._mark_bad(Unit(watched.index), LOST_REASON, now)
+        if not lost:
+            self._log.info("NVML reported a lost GPU, but every watched GPU answers; nothing marked")
+        return new
+
+    # -- marking and recovery ---------------------------------------------------------------------
+
+    def _mark_bad(self, unit: Unit, reason: str, now: float) -> None:
+        trouble = self._troubles.get(unit)
+        changed = self._registry.mark(unit, reason)
+        if trouble is None:
+            self._troubles[unit] = _Trouble(reason, now, now + self._recheck_interval())
+            self._log.warning("%s unhealthy: %s", self._unit_label(unit), reason)
+            return
+        trouble.since = now
+        trouble.next_check = now + self._recheck_interval()
+        if changed or trouble.reason != reason:
+            self._log.warning("%s still unhealthy, now: %s", self._unit_label(unit), reason)
+        else:
+            self._log.info("%s: %s again; its quiet period starts over", self._unit_label(unit), reason)
+        trouble.reason = reason
+
+    def _probe_failed(self, unit: Unit, exc: Exception, now: float) -> None:
+        if _code(exc) == UNINITIALIZED:
+            raise _NvmlGone from exc
+        if _code(exc) == GPU_IS_LOST:
+            watched = self._watched.get(unit.gpu_index)
+            if watched is not None and unit.instance is None:
+                watched.registered = False
+            self._mark_bad(unit, LOST_REASON, now)
+        else:
+            self._mark_bad(unit, f"not reachable through NVML ({exc})", now)
+
+    def _recheck_interval(self) -> float:
+        quiet = self._settings.recovery_quiet_period
+        if quiet <= 0:
+            return math.inf
+        return min(max(quiet / 4, 0.01), RECHECK_MAX_S)
+
+    def _recheck(self) -> None:
+        """Probe the unhealthy units that are due, and clear those fine for the whole quiet period."""
+        quiet = self._settings.recovery_quiet_period
+        if quiet <= 0 or not self._troubles:
+            return
+        now = self._clock()
+        for unit, trouble in list(self._troubles.items()):
+            if trouble.next_check > now:
+                continue
+            watched = self._watched.get(unit.gpu_index)
+            if watched is None:
+                continue
+            failure = self._probe_unit(watched, unit)
+            if failure is not None:
+                # Still bad: the quiet period starts over; a lost GPU is named as such.
+                reason = LOST_REASON if _code(failure) == GPU_IS_LOST else trouble.reason
+                if reason != trouble.reason:
+                    self._mark_bad(unit, reason, now)
+                trouble.since = now
+                trouble.next_check = now + self._recheck_interval()
+                continue
+            if now - trouble.since < quiet:
+                trouble.next_check = min(now + self._recheck_interval(), trouble.since + quiet)
+                continue
+            if unit.instance is None and not watched.registered:
+                # Back from the bus (or first reachable now): its events need registering again.
+                failure = self._register(watched)
+                if failure is not None and _code(failure) == GPU_IS_LOST:
+                    self._mark_bad(unit, LOST_REASON, now)
+                    continue
+                if failure is not None:
+                    self._log.warning(
+                        "registering %s's events again failed (%s); making a new event set",
+                        watched.label,
+                        failure,
+                    )
+                    self._disarm()  # the next loop arms a new set, with every GPU on it
+                    return
+            del self._troubles[unit]
+            self._registry.mark(unit, None)
+            self._log.info(
+                "%s healthy again: NVML has reported it fine for %gs since %s",
+                self._unit_label(unit),
+                quiet,
+                trouble.reason,
+            )
+
+    def _probe_unit(self, watched: _Watched, unit: Unit) -> Exception | None:
+        failure = self._probe(watched.uuid)
+        if failure is None and unit.instance is not None:
+            mig = watched.mig_at(unit.instance)
+            if mig is not None and mig.uuid:
+                failure = self._probe(mig.uuid)
+        return failure
+
+    def _probe(self, uuid: str) -> Exception | None:
+        """None if NVML finds the device by UUID and it answers a cheap query; else the NVML error."""
+        nvml = self._nvml
+        try:
+            handle = nvml.nvmlDeviceGetHandleByUUID(uuid)
+            nvml.nvmlDeviceGetMemoryInfo(handle)
+        except nvml.NVMLError as exc:
+            code = _code(exc)
+            if code == UNINITIALIZED:
+                raise _NvmlGone from exc
+            if code in (NOT_SUPPORTED, FUNCTION_NOT_FOUND):
+                return None  # it answered, with a refusal: reachable
+            failure: Exception = exc  # pynvml is untyped
+            return failure
+        return None
+
+    def _unit_label(self, unit: Unit) -> str:
+        watched = self._watched.get(unit.gpu_index)
+        gpu = watched.label if watched is not None else f"GPU {unit.gpu_index}"
+        if unit.instance is None:
+            return gpu
+        gi, ci = unit.instance
+        mig = watched.mig_at(unit.instance) if watched is not None else None
+        name = f" ({mig.uuid})" if mig is not None and mig.uuid else ""
+        return f"MIG device gi {gi} ci {ci}{name} on {gpu}"
+
+
+def _code(exc: BaseException) -> int | None:
+    code = getattr(exc, "value", None)
+    return code if isinstance(code, int) else None
+
+
+def _address(handle: Any) -> int | None:
+    try:
+        value = ctypes.cast(handle, ctypes.c_void_p).value
+    except (TypeError, ctypes.ArgumentError):
+        return None
+    return int(value) if value else None
+
+
+def _text(value: object) -> str:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace").rstrip("\x00")
+    return str(value)
+
+
+def _event_names(mask: int) -> str:
+    names = [n for bit, n in ((EVENT_XID, "Xid"), (EVENT_DOUBLE_BIT_ECC, "double-bit ECC")) if mask & bit]
+    return " and ".join(names)
+
+
+def _why_no_uuid(gpu: Gpu) -> str:
+    if gpu.lost:
+        return "it was lost from the bus at discovery"
+    return gpu.error or "NVML did not report one"
+
+
+__all__ = [
+    "APPLICATION_XIDS",
+    "ENV_DISABLE",
+    "ENV_ENABLE",
+    "LOST_REASON",
+    "HealthMonitor",
+    "HealthSettings",
+    "apply_dp_environment",
+    "xid_reason",
+]
