@@ -68,10 +68,11 @@ def state(ctx: typer.Context) -> AppState:
 
 
 def _register_commands() -> None:
-    from gpunode.cli import doctor, runtime
+    from gpunode.cli import doctor, plugin, runtime
 
     app.command("doctor")(doctor.doctor)
     app.command("configure-runtime")(runtime.configure_runtime)
+    app.add_typer(plugin.app, name="plugin")
 
 
 _register_commands()

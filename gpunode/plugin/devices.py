@@ -37,6 +37,7 @@ class PluginDevice:
     visible_id: str  # what the container runtime is told: a GPU/MIG UUID, or "3" / "0:1" by index
     uuid: str  # the GPU's or MIG instance's UUID, whatever the ID strategy
     gpu_index: int  # the physical GPU (the parent of a MIG instance)
+    gpu_uuid: str  # ... and its UUID, which survives a re-enumeration that changes indexes
     minor: int | None  # /dev/nvidia<minor> of the physical GPU
     numa_node: int | None
     mig: MigDevice | None = None
@@ -132,6 +133,7 @@ def build_resources(
                         visible_id=base.visible_id,
                         uuid=base.uuid,
                         gpu_index=base.gpu_index,
+                        gpu_uuid=base.gpu_uuid,
                         minor=base.minor,
                         numa_node=base.numa_node,
                         mig=base.mig,
@@ -186,6 +188,7 @@ def _device(gpu: Gpu, mig: MigDevice | None, id_strategy: str) -> PluginDevice:
         visible_id=visible,
         uuid=uuid,
         gpu_index=gpu.index,
+        gpu_uuid=gpu.uuid or "",
         minor=gpu.minor,
         numa_node=gpu.numa_node,
         mig=mig,
@@ -222,13 +225,25 @@ class DeviceRegistry:
     # -- writers --------------------------------------------------------------------------------
 
     def replace(self, resources: Iterable[Resource]) -> None:
-        """Serve a new set of resources (after a reload); health marks of units still present stay."""
+        """Serve a new set of resources (after a reload).
+
+        Health marks follow their GPU by UUID, since a re-enumeration may change indexes; marks of GPUs
+        that are gone are dropped.
+        """
         with self._cond:
             old = self._states
+            old_uuid = {d.gpu_index: d.gpu_uuid for s in old.values() for d in s.resource.devices}
             self._states = {}
             for r in resources:
                 prev = old.get(r.name)
                 self._states[r.name] = _ResourceState(r, (prev.version + 1) if prev else 0)
+            new_index = {d.gpu_uuid: d.gpu_index for s in self._states.values() for d in s.resource.devices}
+            marks: dict[Unit, str] = {}
+            for unit, reason in self._unhealthy.items():
+                index = new_index.get(old_uuid.get(unit.gpu_index, ""))
+                if index is not None:
+                    marks[Unit(index, unit.instance)] = reason
+            self._unhealthy = marks
             self._cond.notify_all()
 
     def mark(self, unit: Unit, reason: str | None) -> bool:

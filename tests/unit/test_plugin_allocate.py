@@ -186,3 +186,23 @@ def test_host_paths_under_driver_root() -> None:
         == "/run/nvidia/driver/dev/nvidia0"
     )
     assert DeviceNodes().host_path("/dev/nvidia0") == "/dev/nvidia0"
+
+
+def test_health_marks_follow_their_gpu_across_a_reload() -> None:
+    from dataclasses import replace
+
+    inventory = simulated_inventory("pcie-4")
+    [before] = build_resources(inventory)
+    registry = DeviceRegistry([before])
+    registry.mark(Unit(1), "Xid 79")
+    failed_uuid = before.devices[1].uuid
+    # After the reload the driver enumerates the GPUs in another order, and GPU 3 is gone.
+    shuffled = tuple(replace(g, index=i) for i, g in enumerate(reversed(inventory.gpus[:3])))
+    [after] = build_resources(replace(inventory, gpus=shuffled))
+    registry.replace([after])
+    unhealthy = {s.device.uuid for s in registry.snapshot("nvidia.com/gpu")[1] if not s.healthy}
+    assert unhealthy == {failed_uuid}
+    registry.mark(Unit(0), "lost")  # now GPU 0 is the old GPU 2; drop it on the next reload
+    only = replace(inventory, gpus=(replace(inventory.gpus[1], index=0),))
+    registry.replace([build_resources(only)[0]])
+    assert registry.unhealthy_units() == {Unit(0): "Xid 79"}

@@ -1,0 +1,356 @@
+"""The plugin's settings: one table of options, each a TOML key, an environment variable and a flag.
+
+Precedence is flag > environment > file > default, resolved per option. NVIDIA's `DP_DISABLE_HEALTHCHECKS`
+and `DP_ENABLE_HEALTHCHECKS` count as environment. Unknown keys, wrong types and bad values are errors
+that name the key and where it came from; nothing is ignored silently.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from gpunode import paths
+from gpunode.errors import ConfigError, NotFound
+from gpunode.host import Host
+from gpunode.plugin.devices import DEVICE_ID_STRATEGIES, MIG_STRATEGIES
+from gpunode.plugin.health import APPLICATION_XIDS, HealthSettings, apply_dp_environment
+
+DEFAULT_CONFIG = "/etc/gpunode/plugin.toml"
+CONFIG_ENV = "GPUNODE_PLUGIN_CONFIG"
+DEVICE_LIST_STRATEGIES = ("envvar", "volume-mounts", "cdi-cri", "cdi-annotations")
+PLACEMENTS = ("spread", "packed")
+
+# kubelet's rule for extended resource names (see deviceplugin-v1beta1.md, "What kubelet does" 1).
+_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+@dataclass(frozen=True)
+class PluginConfig:
+    resource_name: str = "nvidia.com/gpu"
+    mig_strategy: str = "none"
+    device_list_strategy: tuple[str, ...] = ("envvar",)
+    device_id_strategy: str = "uuid"
+    pass_device_specs: bool = False
+    pre_start_required: bool = False
+    fail_on_init_error: bool = True
+    driver_root: str = "/"
+    socket_dir: str = paths.DEVICE_PLUGIN_DIR
+    cdi_kind: str = "nvidia.com/gpu"
+    replicas: int = 1
+    rename_by_default: bool = False
+    fail_requests_greater_than_one: bool = False
+    placement: str = "spread"
+    health: HealthSettings = field(default_factory=HealthSettings)
+    # Where each setting came from ("default", "file <path>", "env NAME", "flag --x"), for `--show-config`.
+    origins: Mapping[str, str] = field(default_factory=dict, compare=False)
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str  # the PluginConfig field (health options: "health.<field>")
+    key: str  # dotted TOML key
+    env: str
+    flag: str
+    parse: Callable[[Any, str], Any]  # (raw value, where it came from) -> value; raises ConfigError
+    help: str
+
+
+def _where(origin: str, key: str) -> str:
+    return f"{key} ({origin})"
+
+
+def _str_choice(choices: tuple[str, ...]) -> Callable[[Any, str], str]:
+    def parse(value: Any, where: str) -> str:
+        if not isinstance(value, str) or value not in choices:
+            raise ConfigError(f"{where}: {value!r} is not one of: {', '.join(choices)}")
+        return value
+
+    return parse
+
+
+def _bool(value: Any, where: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in (
+        "1",
+        "true",
+        "yes",
+        "on",
+        "0",
+        "false",
+        "no",
+        "off",
+    ):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    raise ConfigError(f"{where}: {value!r} is not a boolean (true or false)")
+
+
+def _positive_int(value: Any, where: str) -> int:
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value.strip())
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{where}: {value!r} is not a whole number of at least 1")
+    return value
+
+
+def _seconds(value: Any, where: str) -> float:
+    if isinstance(value, str):
+        text = value.strip().lower().removesuffix("s")
+        try:
+            value = float(text)
+        except ValueError:
+            raise ConfigError(f"{where}: {value!r} is not a number of seconds") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ConfigError(f"{where}: {value!r} is not a number of seconds (0 or more)")
+    return float(value)
+
+
+def _absolute_path(value: Any, where: str) -> str:
+    if not isinstance(value, str) or not value.startswith("/"):
+        raise ConfigError(f"{where}: {value!r} is not an absolute path")
+    return value.rstrip("/") or "/"
+
+
+def _resource_name(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{where}: {value!r} is not a string")
+    problem = resource_name_problem(value)
+    if problem:
+        raise ConfigError(f"{where}: {problem}", "use a name such as nvidia.com/gpu")
+    return value
+
+
+def _strategies(value: Any, where: str) -> tuple[str, ...]:
+    items = [s.strip() for s in value.split(",")] if isinstance(value, str) else value
+    if not isinstance(items, list) or not items or not all(isinstance(s, str) for s in items):
+        raise ConfigError(f"{where}: expected one strategy or a list of them, got {value!r}")
+    bad = [s for s in items if s not in DEVICE_LIST_STRATEGIES]
+    if bad:
+        raise ConfigError(
+            f"{where}: unknown device-list strategy {', '.join(map(repr, bad))}",
+            f"use any of: {', '.join(DEVICE_LIST_STRATEGIES)}",
+        )
+    return tuple(dict.fromkeys(items))
+
+
+def _xids(value: Any, where: str) -> frozenset[int]:
+    items = [s.strip() for s in value.split(",") if s.strip()] if isinstance(value, str) else value
+    if not isinstance(items, list):
+        raise ConfigError(f"{where}: expected a list of Xid numbers, got {value!r}")
+    out: set[int] = set()
+    for item in items:
+        number = int(item) if isinstance(item, str) and item.isdigit() else item
+        if isinstance(number, bool) or not isinstance(number, int) or number < 0:
+            raise ConfigError(f"{where}: {item!r} is not an Xid number")
+        out.add(number)
+    return frozenset(out)
+
+
+def _cdi_kind(value: Any, where: str) -> str:
+    if not isinstance(value, str) or resource_name_problem(value):
+        raise ConfigError(f"{where}: {value!r} is not a CDI kind such as nvidia.com/gpu")
+    return value
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("resource_name", "resource-name", "GPUNODE_RESOURCE_NAME", "--resource-name", _resource_name,
+           "extended resource to advertise"),
+    Option("mig_strategy", "mig-strategy", "GPUNODE_MIG_STRATEGY", "--mig-strategy",
+           _str_choice(MIG_STRATEGIES), "none | single | mixed"),
+    Option("device_list_strategy", "device-list-strategy", "GPUNODE_DEVICE_LIST_STRATEGY",
+           "--device-list-strategy", _strategies, "envvar, volume-mounts, cdi-cri, cdi-annotations"),
+    Option("device_id_strategy", "device-id-strategy", "GPUNODE_DEVICE_ID_STRATEGY", "--device-id-strategy",
+           _str_choice(DEVICE_ID_STRATEGIES), "uuid | index"),
+    Option("pass_device_specs", "pass-device-specs", "GPUNODE_PASS_DEVICE_SPECS", "--pass-device-specs",
+           _bool, "also pass /dev/nvidia* device specs"),
+    Option("pre_start_required", "pre-start-required", "GPUNODE_PRE_START_REQUIRED", "--pre-start-required",
+           _bool, "ask kubelet to call PreStartContainer"),
+    Option("fail_on_init_error", "fail-on-init-error", "GPUNODE_FAIL_ON_INIT_ERROR", "--fail-on-init-error",
+           _bool, "exit when NVML fails at start"),
+    Option("driver_root", "driver-root", "GPUNODE_DRIVER_ROOT", "--driver-root", _absolute_path,
+           "where the driver's files are"),
+    Option("socket_dir", "socket-dir", "GPUNODE_SOCKET_DIR", "--socket-dir", _absolute_path,
+           "kubelet's device-plugins directory"),
+    Option("cdi_kind", "cdi-kind", "GPUNODE_CDI_KIND", "--cdi-kind", _cdi_kind, "CDI vendor/class"),
+    Option("replicas", "time-slicing.replicas", "GPUNODE_REPLICAS", "--replicas", _positive_int,
+           "time-slicing replicas per GPU"),
+    Option("rename_by_default", "time-slicing.rename-by-default", "GPUNODE_RENAME_BY_DEFAULT",
+           "--rename-by-default", _bool, "advertise shared GPUs as <resource>.shared"),
+    Option("fail_requests_greater_than_one", "time-slicing.fail-requests-greater-than-one",
+           "GPUNODE_FAIL_REQUESTS_GREATER_THAN_ONE", "--fail-requests-greater-than-one", _bool,
+           "refuse requests for more than one shared GPU"),
+    Option("placement", "time-slicing.placement", "GPUNODE_PLACEMENT", "--placement", _str_choice(PLACEMENTS),
+           "spread | packed"),
+    Option("health.enabled", "health.enabled", "GPUNODE_HEALTH_ENABLED", "--health-checks", _bool,
+           "watch NVML events"),
+    Option("health.ignored_xids", "health.ignored-xids", "GPUNODE_HEALTH_IGNORED_XIDS", "--ignored-xids",
+           _xids, "Xids that do not make a GPU unhealthy"),
+    Option("health.critical_xids", "health.critical-xids", "GPUNODE_HEALTH_CRITICAL_XIDS", "--critical-xids",
+           _xids, "Xids that always make a GPU unhealthy"),
+    Option("health.recovery_quiet_period", "health.recovery-quiet-period",
+           "GPUNODE_HEALTH_RECOVERY_QUIET_PERIOD", "--recovery-quiet-period", _seconds,
+           "seconds a GPU must be fine before it is healthy again"),
+)  # fmt: skip
+
+_BY_KEY = {o.key: o for o in OPTIONS}
+_BY_NAME = {o.name: o for o in OPTIONS}
+
+
+def resource_name_problem(name: str) -> str | None:
+    """Why kubelet would refuse this extended resource name, or None if it is valid."""
+    domain, slash, short = name.partition("/")
+    if not slash or not domain or not short:
+        return f"resource name {name!r} must be <domain>/<name>, e.g. nvidia.com/gpu"
+    if domain == "kubernetes.io" or domain.endswith(".kubernetes.io") or domain.startswith("requests."):
+        return f"resource name {name!r} uses a domain reserved by Kubernetes"
+    if len(domain) > 253 or not all(_DNS_LABEL.match(label) for label in domain.split(".")):
+        return (
+            f"resource name {name!r}: {domain!r} is not a DNS subdomain (lower-case letters, digits, - and .)"
+        )
+    if len(short) > 63 or not _NAME.match(short):
+        return (
+            f"resource name {name!r}: {short!r} must be at most 63 characters of letters, digits, "
+            "'-', '_' and '.', starting and ending with a letter or digit"
+        )
+    return None
+
+
+def read_config_file(host: Host, path: str, *, required: bool) -> dict[str, tuple[Any, str]]:
+    """The options set in a TOML file, by option name, with their origin. Unknown keys are errors."""
+    from gpunode.runtimes.edits import parse_toml_document
+
+    text = host.read_text_if_exists(path)
+    if text is None:
+        if required:
+            raise NotFound(f"plugin config {path} does not exist", f"create it, or drop --config {path}")
+        return {}
+    doc = parse_toml_document(text, path).unwrap()
+    found: dict[str, tuple[Any, str]] = {}
+    unknown: list[str] = []
+    sections = {k.split(".", 1)[0] for k in _BY_KEY if "." in k}
+
+    def walk(table: Mapping[str, Any], prefix: str) -> None:
+        for key, value in table.items():
+            dotted = f"{prefix}{key}"
+            if dotted in _BY_KEY:
+                option = _BY_KEY[dotted]
+                origin = f"file {path}"
+                found[option.name] = (option.parse(value, _where(origin, dotted)), origin)
+            elif isinstance(value, dict) and not prefix and key in sections:
+                walk(value, f"{dotted}.")
+            else:
+                unknown.append(dotted)
+
+    walk(doc, "")
+    if unknown:
+        raise ConfigError(
+            f"{path}: unknown or unsupported key{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)}",
+            "remove or correct them; `gpunode plugin run --help` lists every option "
+            f"(known keys: {', '.join(sorted(_BY_KEY))})",
+        )
+    return found
+
+
+def load_config(
+    host: Host,
+    *,
+    config_path: str | None = None,
+    env: Mapping[str, str] | None = None,
+    flags: Mapping[str, Any] | None = None,
+) -> PluginConfig:
+    """Resolve every option: flag > environment > file > default.
+
+    `flags` maps option names (PluginConfig fields, "health.<field>") to values already typed by the CLI,
+    or None where the flag was not given. `config_path` None means $GPUNODE_PLUGIN_CONFIG, else
+    /etc/gpunode/plugin.toml if it exists.
+    """
+    env = host.env if env is None else env
+    explicit = config_path or env.get(CONFIG_ENV) or None
+    levels: list[dict[str, tuple[Any, str]]] = [
+        read_config_file(host, explicit or DEFAULT_CONFIG, required=bool(explicit)),
+        {},
+        {},
+    ]
+    for option in OPTIONS:
+        raw = env.get(option.env)
+        if raw is not None and raw != "":
+            origin = f"env {option.env}"
+            levels[1][option.name] = (option.parse(raw, _where(origin, option.env)), origin)
+    for name, value in (flags or {}).items():
+        if value is not None:
+            option = _BY_NAME[name]
+            origin = f"flag {option.flag}"
+            levels[2][name] = (option.parse(value, _where(origin, option.flag)), origin)
+
+    top: dict[str, Any] = {}
+    origins: dict[str, str] = {o.name: "default" for o in OPTIONS}
+    health = HealthSettings()
+    dp_env = {
+        k: v for k, v in env.items() if k in ("DP_DISABLE_HEALTHCHECKS", "DP_ENABLE_HEALTHCHECKS") and v
+    }
+    for level, values in enumerate(levels):
+        if level == 1 and dp_env:
+            # NVIDIA's variables are environment: above the file, below our own variables and flags.
+            before = health
+            health = apply_dp_environment(health, dp_env)
+            for name in ("enabled", "ignored_xids", "critical_xids", "all_xids_critical"):
+                if getattr(before, name) != getattr(health, name) and f"health.{name}" in origins:
+                    origins[f"health.{name}"] = "env " + " ".join(sorted(dp_env))
+        health_values = {}
+        for name, (value, origin) in values.items():
+            origins[name] = origin
+            if name.startswith("health."):
+                health_values[name.removeprefix("health.")] = value
+            else:
+                top[name] = value
+        health = replace(health, **health_values)
+    config = PluginConfig(**top, health=health, origins=origins)
+    _check_combination(config)
+    return config
+
+
+def _check_combination(config: PluginConfig) -> None:
+    if config.replicas > 1 and config.rename_by_default:
+        shared = config.resource_name + ".shared"
+        problem = resource_name_problem(shared)
+        if problem:
+            raise ConfigError(f"time-slicing.rename-by-default: {problem}", "use a shorter resource-name")
+    if config.mig_strategy == "mixed":
+        domain = config.resource_name.split("/", 1)[0]
+        if resource_name_problem(f"{domain}/mig-1g.10gb"):
+            raise ConfigError(f"mig-strategy mixed: {domain!r} cannot prefix MIG resource names")
+
+
+def describe(config: PluginConfig) -> list[tuple[str, str, str]]:
+    """(key, value, origin) for every option: what `gpunode plugin run --show-config` prints."""
+    rows: list[tuple[str, str, str]] = []
+    for option in OPTIONS:
+        if option.name.startswith("health."):
+            value: Any = getattr(config.health, option.name.removeprefix("health."))
+        else:
+            value = getattr(config, option.name)
+        if isinstance(value, (tuple, frozenset)):
+            value = ",".join(str(v) for v in (sorted(value) if isinstance(value, frozenset) else value))
+        elif isinstance(value, bool):
+            value = "true" if value else "false"
+        rows.append((option.key, str(value), config.origins.get(option.name, "default")))
+    return rows
+
+
+__all__ = [
+    "APPLICATION_XIDS",
+    "CONFIG_ENV",
+    "DEFAULT_CONFIG",
+    "DEVICE_LIST_STRATEGIES",
+    "OPTIONS",
+    "PLACEMENTS",
+    "PluginConfig",
+    "describe",
+    "load_config",
+    "read_config_file",
+    "resource_name_problem",
+]

@@ -1,0 +1,417 @@
+"""serve → register → watch: the plugin's life, driven by events on one queue.
+
+Everything that changes the plugin's state happens on the thread that calls `run()`, one event at a
+time: inotify events from the device-plugins directory, signals (stop, reload), timers (register
+retries, NVML retries). Each event ends in `_reconcile()`, which compares what should be (a server per
+resource on a socket that is still ours, registered with the kubelet.sock that exists now) with what is,
+and fixes the difference. A kubelet restart is just such a difference: our socket is gone and
+kubelet.sock has a new inode.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from gpunode.errors import ConfigError, GpunodeError, NvmlError
+from gpunode.host import Host
+from gpunode.nvml.model import Inventory
+from gpunode.plugin.allocate import AllocateSettings, DeviceNodes, read_device_nodes
+from gpunode.plugin.api import deviceplugin_pb2 as pb
+from gpunode.plugin.api import deviceplugin_pb2_grpc
+from gpunode.plugin.config import PluginConfig
+from gpunode.plugin.devices import DeviceRegistry, Resource, Sharing, Unit, build_resources
+from gpunode.plugin.health import HealthMonitor
+from gpunode.plugin.preferred import Topology
+from gpunode.plugin.server import DevicePluginService, ResourceServer, ServeSettings
+from gpunode.plugin.watch import DirectoryWatch, DirEvent
+
+log = logging.getLogger("gpunode.plugin")
+pb_grpc: Any = deviceplugin_pb2_grpc  # generated, untyped
+
+KUBELET_SOCKET = "kubelet.sock"
+API_VERSION = "v1beta1"
+REGISTER_TIMEOUT = 5.0
+RETRY_FIRST = 0.2
+RETRY_MAX = 10.0
+DISCOVERY_RETRY_MAX = 60.0
+
+
+@dataclass
+class ResourceStatus:
+    name: str
+    socket: str
+    devices: int
+    healthy: int
+    registered: bool = False
+    refused: str | None = None  # kubelet's reason, when it refused the registration
+
+
+@dataclass
+class PluginStatus:
+    """What `gpunode plugin status` and sd_notify report; rebuilt after every event."""
+
+    resources: list[ResourceStatus] = field(default_factory=list)
+    waiting_for: str | None = None  # "kubelet", "NVML", "GPUs", "the device-plugins directory"
+    nvml_error: str | None = None
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.resources) and all(r.registered for r in self.resources)
+
+    def summary(self) -> str:
+        if self.waiting_for:
+            return f"waiting for {self.waiting_for}"
+        parts = [
+            f"{r.name}: {r.healthy}/{r.devices} healthy, "
+            + ("registered" if r.registered else f"refused ({r.refused})" if r.refused else "registering")
+            for r in self.resources
+        ]
+        return "; ".join(parts) or "no devices"
+
+
+@dataclass
+class _Served:
+    server: ResourceServer
+    # Identity of the kubelet.sock we registered with: (inode, ctime). File systems reuse inode numbers at
+    # once (ext4 gives a re-created kubelet.sock the old one's), the change time tells the two apart.
+    registered_with: tuple[int, int] | None = None
+    refused: str | None = None
+    retry_delay: float = RETRY_FIRST
+    retry_timer: threading.Timer | None = None
+
+
+class Plugin:
+    """The device plugin process. `run()` blocks until `request_stop()` (SIGTERM/SIGINT)."""
+
+    def __init__(
+        self,
+        host: Host,
+        load_config: Callable[[], PluginConfig],
+        discover: Callable[[PluginConfig], Inventory],
+        *,
+        simulated: bool = False,
+        on_status: Callable[[PluginStatus], None] | None = None,
+    ) -> None:
+        self.host = host
+        self._load_config = load_config
+        self._discover = discover
+        self.simulated = simulated
+        self.on_status = on_status
+        self.config: PluginConfig = load_config()
+        self.registry = DeviceRegistry()
+        self.status = PluginStatus()
+        self._events: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._served: dict[str, _Served] = {}
+        self._topology = Topology.from_inventory(Inventory(None, None, None, ()))
+        self._nodes = DeviceNodes()
+        self._inventory: Inventory | None = None
+        self._health: HealthMonitor | None = None
+        self._watch: DirectoryWatch | None = None
+        self._discovery_timer: threading.Timer | None = None
+        self._discovery_delay = 1.0
+        self._stopped = threading.Event()
+
+    # -- called from other threads (signal handlers, timers, the watch) -------------------------
+
+    def request_stop(self) -> None:
+        self._events.put(("stop", None))
+
+    def request_reload(self) -> None:
+        self._events.put(("reload", None))
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    @property
+    def socket_dir(self) -> str:
+        return str(self.host.path(self.config.socket_dir))
+
+    def run(self) -> None:
+        try:
+            self._load_devices(first=True)
+            self._start_watch()
+            self._reconcile()
+            while True:
+                kind, payload = self._events.get()
+                if kind == "stop":
+                    log.info("stopping")
+                    return
+                if kind == "reload":
+                    self._reload()
+                elif kind == "rediscover":
+                    self._load_devices(first=False)
+                elif kind == "fs" and isinstance(payload, DirEvent):
+                    if not self._relevant(payload):
+                        continue
+                    if payload.name == KUBELET_SOCKET:
+                        self._kubelet_appeared()
+                self._reconcile()
+        finally:
+            self._shutdown()
+
+    def _relevant(self, event: DirEvent) -> bool:
+        if event.kind in ("dir-ready", "dir-gone"):
+            return True
+        if event.name == KUBELET_SOCKET:
+            return event.kind == "created"
+        return event.kind == "deleted" and any(
+            os.path.basename(s.server.socket_path) == event.name for s in self._served.values()
+        )
+
+    def _kubelet_appeared(self) -> None:
+        # A new kubelet: register now, whatever retries were pending (reconcile sees it is new).
+        for served in self._served.values():
+            served.retry_delay = RETRY_FIRST
+            if served.retry_timer is not None:
+                served.retry_timer.cancel()
+                served.retry_timer = None
+
+    def _start_watch(self) -> None:
+        self._watch = DirectoryWatch(self.socket_dir, lambda e: self._events.put(("fs", e)))
+        self._watch.start()
+
+    def _shutdown(self) -> None:
+        self._stopped.set()
+        for timer in [self._discovery_timer, *(s.retry_timer for s in self._served.values())]:
+            if timer is not None:
+                timer.cancel()
+        if self._health is not None:
+            self._health.stop()
+        if self._watch is not None:
+            self._watch.stop()
+        for name, served in list(self._served.items()):
+            served.server.stop()
+            log.info("%s: stopped serving, removed %s", name, served.server.socket_path)
+        self._served.clear()
+        self.registry.close()
+
+    # -- devices --------------------------------------------------------------------------------
+
+    def _load_devices(self, *, first: bool) -> None:
+        config = self.config
+        try:
+            inventory = self._discover(config)
+        except NvmlError as err:
+            if first and config.fail_on_init_error:
+                raise
+            self.status.nvml_error = err.message
+            log.error("NVML: %s%s; retrying", err.message, f" (fix: {err.fix})" if err.fix else "")
+            self._schedule_discovery()
+            if first:
+                self.registry.replace(())
+            return
+        self.status.nvml_error = None
+        resources = build_resources(
+            inventory,
+            resource_name=config.resource_name,
+            mig_strategy=config.mig_strategy,
+            device_id_strategy=config.device_id_strategy,
+            sharing=Sharing(config.replicas, config.rename_by_default),
+        )
+        self._inventory = inventory
+        if not any(r.devices for r in resources):
+            log.warning("NVML reports no GPUs; waiting for some to appear")
+            self._schedule_discovery()
+        else:
+            self._discovery_delay = 1.0
+        self.registry.replace(resources)
+        for gpu in inventory.gpus:
+            if gpu.lost:
+                self.registry.mark(Unit(gpu.index), "lost from the bus (at start)")
+        self._topology = Topology.from_inventory(inventory)
+        self._nodes = (
+            DeviceNodes(driver_root=config.driver_root)
+            if self.simulated
+            else read_device_nodes(self.host, config.driver_root, resources)
+        )
+        for resource in resources:
+            log.info(
+                "%s: %d device%s%s",
+                resource.name,
+                len(resource.devices),
+                "" if len(resource.devices) == 1 else "s",
+                f" ({resource.replicas} replicas per GPU)" if resource.replicas > 1 else "",
+            )
+        self._restart_health(inventory)
+
+    def _restart_health(self, inventory: Inventory) -> None:
+        if self._health is not None:
+            self._health.stop()
+            self._health = None
+        if self.simulated:
+            return  # no NVML to ask: a simulated node is always healthy
+        self._health = HealthMonitor(self.registry, inventory.gpus, self.config.health)
+        self._health.start()
+
+    def _schedule_discovery(self) -> None:
+        if self._discovery_timer is not None:
+            self._discovery_timer.cancel()
+        delay = self._discovery_delay
+        self._discovery_delay = min(delay * 2, DISCOVERY_RETRY_MAX)
+        self._discovery_timer = threading.Timer(delay, lambda: self._events.put(("rediscover", None)))
+        self._discovery_timer.daemon = True
+        self._discovery_timer.start()
+
+    def _reload(self) -> None:
+        log.info("reloading configuration and re-reading the GPUs (SIGHUP)")
+        try:
+            config = self._load_config()
+        except GpunodeError as err:
+            log.error("reload refused, keeping the running configuration: %s", err.message)
+            return
+        old = self.config
+        self.config = config
+        try:
+            self._load_devices(first=False)
+        except (ConfigError, NvmlError) as err:
+            log.error("reload refused, keeping the running configuration: %s", err.message)
+            self.config = old
+            return
+        if old.socket_dir != config.socket_dir and self._watch is not None:
+            self._watch.stop()
+            self._start_watch()
+        # Options (pre-start, strategies) are fixed per server: serve afresh and register again.
+        for name, served in list(self._served.items()):
+            served.server.stop()
+            del self._served[name]
+
+    # -- serve and register ---------------------------------------------------------------------
+
+    def _serve_settings(self) -> ServeSettings:
+        c = self.config
+        return ServeSettings(
+            pre_start_required=c.pre_start_required,
+            placement=c.placement,
+            allocate=AllocateSettings(
+                device_list_strategy=c.device_list_strategy,
+                pass_device_specs=c.pass_device_specs and not self.simulated,
+                cdi_kind=c.cdi_kind,
+                fail_requests_greater_than_one=c.fail_requests_greater_than_one,
+                nodes=self._nodes,
+            ),
+        )
+
+    def _reconcile(self) -> None:
+        wanted = {r.name: r for r in self.registry.resources() if r.devices}
+        for name in [n for n in self._served if n not in wanted]:
+            self._served.pop(name).server.stop()
+            log.info("%s: no longer served", name)
+
+        if not os.path.isdir(self.socket_dir):
+            self._update_status("the device-plugins directory " + self.config.socket_dir)
+            return
+        for name, resource in wanted.items():
+            served = self._served.get(name)
+            if served is not None and served.server.socket_is_ours():
+                continue
+            if served is not None:
+                log.info("%s: our socket was removed (kubelet restart?); serving again", name)
+                # No grace: the kubelet that held streams on it is gone. Stopped before the new server
+                # binds, because gRPC unlinks its socket path when it stops.
+                served.server.stop(grace=0.0, remove_socket=False)
+                if served.retry_timer is not None:
+                    served.retry_timer.cancel()
+            self._served[name] = _Served(self._serve(resource))
+
+        kubelet = os.path.join(self.socket_dir, KUBELET_SOCKET)
+        try:
+            st = os.stat(kubelet)
+            kubelet_inode: tuple[int, int] | None = (st.st_ino, st.st_ctime_ns)
+        except FileNotFoundError:
+            kubelet_inode = None
+        if kubelet_inode is not None:
+            for name, served in self._served.items():
+                if served.registered_with != kubelet_inode and served.retry_timer is None:
+                    self._register(name, served, kubelet, kubelet_inode)
+        waiting = None
+        if self.status.nvml_error:
+            waiting = "NVML"
+        elif not wanted:
+            waiting = "GPUs"
+        elif kubelet_inode is None:
+            waiting = f"kubelet ({kubelet} does not exist)"
+        self._update_status(waiting)
+
+    def _serve(self, resource: Resource) -> ResourceServer:
+        path = os.path.join(self.socket_dir, resource.socket_name)
+        service = DevicePluginService(resource.name, self.registry, self._topology, self._serve_settings())
+        server = ResourceServer(path, service)
+        server.start()
+        log.info("%s: serving on %s", resource.name, path)
+        return server
+
+    def _register(self, name: str, served: _Served, kubelet: str, inode: tuple[int, int]) -> None:
+        request = pb.RegisterRequest(
+            version=API_VERSION,
+            endpoint=os.path.basename(served.server.socket_path),
+            resource_name=name,
+            options=pb.DevicePluginOptions(
+                pre_start_required=self.config.pre_start_required, get_preferred_allocation_available=True
+            ),
+        )
+        try:
+            with grpc.insecure_channel(f"unix://{kubelet}") as channel:
+                pb_grpc.RegistrationStub(channel).Register(request, timeout=REGISTER_TIMEOUT)
+        except grpc.RpcError as err:
+            code = err.code() if isinstance(err, grpc.Call) else None
+            detail = err.details() if isinstance(err, grpc.Call) else str(err)
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, None):
+                self._retry_register(name, served, f"{code.name if code else 'error'}: {detail}")
+                return
+            # kubelet looked at the request and said no (bad version or resource name): asking again
+            # gets the same answer, so wait for a new kubelet (a new kubelet.sock) or a reload.
+            served.registered_with = inode
+            served.refused = detail or (code.name if code else "refused")
+            log.error(
+                "%s: kubelet refused the registration: %s (fix: check resource-name; kubelet accepts "
+                "<domain>/<name> outside kubernetes.io and API version %s)",
+                name,
+                served.refused,
+                API_VERSION,
+            )
+            return
+        served.registered_with = inode
+        served.refused = None
+        served.retry_delay = RETRY_FIRST
+        log.info("%s: registered with kubelet (%s)", name, kubelet)
+
+    def _retry_register(self, name: str, served: _Served, why: str) -> None:
+        delay = served.retry_delay
+        served.retry_delay = min(delay * 2, RETRY_MAX)
+        log.warning("%s: registering with kubelet failed (%s); retrying in %.1fs", name, why, delay)
+
+        def fire() -> None:
+            served.retry_timer = None
+            self._events.put(("retry", name))
+
+        served.retry_timer = threading.Timer(delay, fire)
+        served.retry_timer.daemon = True
+        served.retry_timer.start()
+
+    def _update_status(self, waiting_for: str | None) -> None:
+        resources = []
+        for resource in self.registry.resources():
+            _, states = self.registry.snapshot(resource.name)
+            served = self._served.get(resource.name)
+            resources.append(
+                ResourceStatus(
+                    name=resource.name,
+                    socket=resource.socket_name,
+                    devices=len(states),
+                    healthy=sum(1 for s in states if s.healthy),
+                    registered=served is not None
+                    and served.registered_with is not None
+                    and not served.refused,
+                    refused=served.refused if served else None,
+                )
+            )
+        self.status = PluginStatus(resources, waiting_for, self.status.nvml_error)
+        if self.on_status is not None:
+            self.on_status(self.status)

@@ -1,0 +1,193 @@
+"""The gRPC side: one DevicePlugin server per resource, on its own unix socket.
+
+Each ListAndWatch stream holds one worker thread for its whole life, and kubelet calls back
+GetDevicePluginOptions while Register is in flight, so the pool is sized for streams + call-backs +
+concurrent Allocates (WORKERS) and never starves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+from collections.abc import Iterator
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from gpunode.plugin.allocate import AllocateSettings, Refused, allocate
+from gpunode.plugin.api import deviceplugin_pb2 as pb
+from gpunode.plugin.api import deviceplugin_pb2_grpc
+from gpunode.plugin.devices import DeviceHealth, DeviceRegistry
+from gpunode.plugin.preferred import Topology, preferred_allocation
+
+log = logging.getLogger("gpunode.plugin")
+# The generated service module is untyped; through Any, mypy --strict accepts its calls.
+pb_grpc: Any = deviceplugin_pb2_grpc
+
+WORKERS = 16
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    pre_start_required: bool
+    allocate: AllocateSettings
+    placement: str = "spread"
+
+
+def device_message(state: DeviceHealth) -> pb.Device:
+    numa = state.device.numa_node
+    return pb.Device(
+        ID=state.device.id,
+        health="Healthy" if state.healthy else "Unhealthy",
+        topology=pb.TopologyInfo(nodes=[pb.NUMANode(ID=numa)]) if numa is not None else None,
+    )
+
+
+class DevicePluginService(deviceplugin_pb2_grpc.DevicePluginServicer):
+    def __init__(
+        self, resource_name: str, registry: DeviceRegistry, topology: Topology, settings: ServeSettings
+    ) -> None:
+        self.resource_name = resource_name
+        self.registry = registry
+        self.topology = topology
+        self.settings = settings
+        self.stopping = threading.Event()
+
+    def GetDevicePluginOptions(
+        self, request: pb.Empty, context: grpc.ServicerContext
+    ) -> pb.DevicePluginOptions:
+        return pb.DevicePluginOptions(
+            pre_start_required=self.settings.pre_start_required, get_preferred_allocation_available=True
+        )
+
+    def ListAndWatch(
+        self, request: pb.Empty, context: grpc.ServicerContext
+    ) -> Iterator[pb.ListAndWatchResponse]:
+        ended = threading.Event()
+
+        def on_end() -> None:
+            ended.set()
+            self.registry.wake()
+
+        context.add_callback(on_end)
+        seen = -2
+        log.debug("%s: kubelet opened ListAndWatch", self.resource_name)
+        while not self.stopping.is_set() and not ended.is_set():
+            version, states = self.registry.snapshot(self.resource_name)
+            if version != seen:
+                seen = version
+                yield pb.ListAndWatchResponse(devices=[device_message(s) for s in states])
+            # Returns on a change, on stream end (cancel, server stop) or when the plugin stops.
+            if not self.registry.wait_for_change(self.resource_name, seen, ended):
+                break
+        log.debug("%s: ListAndWatch stream closed", self.resource_name)
+
+    def GetPreferredAllocation(
+        self, request: pb.PreferredAllocationRequest, context: grpc.ServicerContext
+    ) -> pb.PreferredAllocationResponse:
+        resource = self.registry.resource(self.resource_name)
+        by_id = resource.by_id() if resource is not None else {}
+        answers = []
+        for req in request.container_requests:
+            size = int(req.allocation_size)
+            available = list(req.available_deviceIDs)
+            must = list(req.must_include_deviceIDs)
+            try:
+                chosen = preferred_allocation(
+                    self.topology, by_id, available, must, size, placement=self.settings.placement
+                )
+            except Exception:  # an error here fails the pod's admission: answer something, always
+                log.exception("%s: preferred allocation failed; answering a plain choice", self.resource_name)
+                chosen = list(dict.fromkeys(must + available))[: max(size, len(must))]
+            answers.append(pb.ContainerPreferredAllocationResponse(deviceIDs=chosen))
+        return pb.PreferredAllocationResponse(container_responses=answers)
+
+    def Allocate(self, request: pb.AllocateRequest, context: grpc.ServicerContext) -> pb.AllocateResponse:
+        resource = self.registry.resource(self.resource_name)
+        if resource is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.resource_name} is no longer served")
+            raise AssertionError("abort raises")  # for the type checker: context.abort never returns
+        containers = [list(c.devices_ids) for c in request.container_requests]
+        try:
+            answers = allocate(resource, containers, self.registry.health_of, self.settings.allocate)
+        except Refused as refused:
+            log.warning("%s: Allocate %s refused: %s", self.resource_name, containers, refused.message)
+            context.abort(getattr(grpc.StatusCode, refused.code), refused.message)
+        log.info("%s: allocated %s", self.resource_name, "; ".join(",".join(c) for c in containers))
+        return pb.AllocateResponse(
+            container_responses=[
+                pb.ContainerAllocateResponse(
+                    envs=a.envs,
+                    mounts=[pb.Mount(container_path=c, host_path=h, read_only=ro) for c, h, ro in a.mounts],
+                    devices=[
+                        pb.DeviceSpec(container_path=c, host_path=h, permissions=p) for c, h, p in a.devices
+                    ],
+                    annotations=a.annotations,
+                    cdi_devices=[pb.CDIDevice(name=n) for n in a.cdi_devices],
+                )
+                for a in answers
+            ]
+        )
+
+    def PreStartContainer(
+        self, request: pb.PreStartContainerRequest, context: grpc.ServicerContext
+    ) -> pb.PreStartContainerResponse:
+        # Nothing to prepare: GPUs need no per-container set-up. kubelet only calls this when the
+        # pre-start-required option asks it to (e.g. to observe container starts in the logs).
+        log.info("%s: PreStartContainer for %s", self.resource_name, ",".join(request.devices_ids))
+        return pb.PreStartContainerResponse()
+
+
+class ResourceServer:
+    """A gRPC server for one resource on `<socket dir>/<socket name>`."""
+
+    def __init__(self, socket_path: str, service: DevicePluginService) -> None:
+        self.socket_path = socket_path
+        self.service = service
+        self.inode: int | None = None
+        self._server: grpc.Server | None = None
+
+    def start(self, ready_timeout: float = 10.0) -> None:
+        """Serve, then prove the socket accepts connections before anyone is told about it."""
+        _remove_stale_socket(self.socket_path)
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="dp-grpc"),
+            options=[("grpc.so_reuseport", 0)],
+        )
+        pb_grpc.add_DevicePluginServicer_to_server(self.service, server)
+        if server.add_insecure_port(f"unix://{self.socket_path}") == 0:
+            raise OSError(f"cannot listen on {self.socket_path}")
+        server.start()
+        self._server = server
+        self.inode = os.stat(self.socket_path).st_ino
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            probe.settimeout(ready_timeout)
+            probe.connect(self.socket_path)
+
+    def socket_is_ours(self) -> bool:
+        try:
+            return os.stat(self.socket_path).st_ino == self.inode
+        except FileNotFoundError:
+            return False
+
+    def stop(self, grace: float = 0.5, *, remove_socket: bool = True) -> None:
+        self.service.stopping.set()
+        self.service.registry.wake()
+        if self._server is not None:
+            self._server.stop(grace).wait(grace + 2.0)
+            self._server = None
+        # Only our own socket: after a kubelet restart the path may already be someone else's.
+        if remove_socket and self.socket_is_ours():
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.socket_path)
+
+
+def _remove_stale_socket(path: str) -> None:
+    # A socket file left by a killed run of ours blocks bind(); it is only ever our own name.
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)

@@ -1,0 +1,84 @@
+"""`gpunode plugin run` wiring: help, --show-config, and the errors that stop it before it serves."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gpunode.cli.main import main
+from gpunode.errors import ExitCode
+from gpunode.host import Host
+
+
+def run(tmp_path: Path, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = main(["plugin", "run", *args], host=Host(root=tmp_path, env={}))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_help_lists_every_option_with_its_variable(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpunode.plugin.config import OPTIONS
+
+    monkeypatch.setenv("COLUMNS", "300")  # rich wraps help text to the terminal; keep names whole
+
+    assert main(["plugin", "run", "--help"]) == 0
+    out = capsys.readouterr().out
+    for option in OPTIONS:
+        assert option.flag in out, option.flag
+        assert option.env in out, option.env
+
+
+def test_show_config_prints_values_and_origins(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = tmp_path / "etc/gpunode/plugin.toml"
+    config.parent.mkdir(parents=True)
+    config.write_text('mig-strategy = "mixed"\n[time-slicing]\nreplicas = 2\n')
+    monkeypatch.setenv("GPUNODE_REPLICAS", "3")
+    code, out, _ = run(tmp_path, capsys, "--show-config", "--device-id-strategy", "index")
+    assert code == 0
+    lines = {line.split()[0]: line for line in out.splitlines()}
+    assert "mixed" in lines["mig-strategy"] and "[file /etc/gpunode/plugin.toml]" in lines["mig-strategy"]
+    assert (
+        " 3 " in lines["time-slicing.replicas"] and "[env GPUNODE_REPLICAS]" in lines["time-slicing.replicas"]
+    )
+    assert "[flag --device-id-strategy]" in lines["device-id-strategy"]
+    assert "[default]" in lines["resource-name"] and "nvidia.com/gpu" in lines["resource-name"]
+
+
+def test_unknown_key_in_config_is_exit_4_without_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("GPUNODE_PLUGIN_CONFIG", raising=False)
+    (tmp_path / "p.toml").write_text("migStrategy = 'mixed'\n")
+    code, _, err = run(tmp_path, capsys, "--config", "/p.toml", "--show-config")
+    assert code == ExitCode.CONFIG
+    assert "unknown or unsupported key: migStrategy" in err and "Traceback" not in err
+
+
+def test_unknown_simulation_profile_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = run(tmp_path, capsys, "--simulate", "dgx-z", "--socket-dir", str(tmp_path))
+    assert code == ExitCode.USAGE
+    assert "dgx-z" in err and "dgx-a100" in err
+
+
+def test_a_wrong_flag_value_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(tmp_path, capsys, "--mig-strategy", "all", "--show-config")
+    assert code == ExitCode.CONFIG
+    assert "--mig-strategy" in err and "none, single, mixed" in err
+    code, _, err = run(tmp_path, capsys, "--replicas", "two")
+    assert code == ExitCode.USAGE  # typer refuses a non-integer itself
+
+
+def test_plugin_run_does_not_load_grpc_for_help(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    code = "import sys; from gpunode.cli.main import main; main(['--help']); print('grpc' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert proc.stdout.strip().endswith("False"), proc.stdout + proc.stderr
