@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import cached_property
 
 from gpunode.errors import ConfigError
 from gpunode.nvml.model import Gpu, Inventory, MigDevice
@@ -60,6 +61,11 @@ class Resource:
     replicas: int = 1  # time-slicing replicas per physical device (1: not shared)
 
     def by_id(self) -> dict[str, PluginDevice]:
+        return self._by_id
+
+    @cached_property
+    def _by_id(self) -> dict[str, PluginDevice]:
+        # Built once per resource: Allocate looks IDs up on every call, with up to thousands of replicas.
         return {d.id: d for d in self.devices}
 
 

@@ -277,10 +277,13 @@ class Plugin:
         if old.socket_dir != config.socket_dir and self._watch is not None:
             self._watch.stop()
             self._start_watch()
-        # Options (pre-start, strategies) are fixed per server: serve afresh and register again.
-        for name, served in list(self._served.items()):
-            served.server.stop()
-            del self._served[name]
+        # Servers of resources that stay keep their sockets and take the new settings; registering again
+        # makes kubelet open a fresh stream (and read the new options) without a gap in which it would
+        # count the devices as unhealthy. Resources that went away are stopped by _reconcile.
+        settings = self._serve_settings()
+        for served in self._served.values():
+            served.server.service.update(self._topology, settings)
+            served.registered_with = None
 
     # -- serve and register ---------------------------------------------------------------------
 

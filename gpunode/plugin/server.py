@@ -54,15 +54,18 @@ class DevicePluginService(deviceplugin_pb2_grpc.DevicePluginServicer):
     ) -> None:
         self.resource_name = resource_name
         self.registry = registry
-        self.topology = topology
-        self.settings = settings
+        self.current = (topology, settings)  # swapped whole by update(): a call reads one consistent pair
         self.stopping = threading.Event()
+
+    def update(self, topology: Topology, settings: ServeSettings) -> None:
+        """New settings after a reload (one reference assignment: calls in flight keep the old pair)."""
+        self.current = (topology, settings)
 
     def GetDevicePluginOptions(
         self, request: pb.Empty, context: grpc.ServicerContext
     ) -> pb.DevicePluginOptions:
         return pb.DevicePluginOptions(
-            pre_start_required=self.settings.pre_start_required, get_preferred_allocation_available=True
+            pre_start_required=self.current[1].pre_start_required, get_preferred_allocation_available=True
         )
 
     def ListAndWatch(
@@ -90,6 +93,7 @@ class DevicePluginService(deviceplugin_pb2_grpc.DevicePluginServicer):
     def GetPreferredAllocation(
         self, request: pb.PreferredAllocationRequest, context: grpc.ServicerContext
     ) -> pb.PreferredAllocationResponse:
+        topology, settings = self.current
         resource = self.registry.resource(self.resource_name)
         by_id = resource.by_id() if resource is not None else {}
         answers = []
@@ -99,7 +103,7 @@ class DevicePluginService(deviceplugin_pb2_grpc.DevicePluginServicer):
             must = list(req.must_include_deviceIDs)
             try:
                 chosen = preferred_allocation(
-                    self.topology, by_id, available, must, size, placement=self.settings.placement
+                    topology, by_id, available, must, size, placement=settings.placement
                 )
             except Exception:  # an error here fails the pod's admission: answer something, always
                 log.exception("%s: preferred allocation failed; answering a plain choice", self.resource_name)
@@ -114,7 +118,7 @@ class DevicePluginService(deviceplugin_pb2_grpc.DevicePluginServicer):
             raise AssertionError("abort raises")  # for the type checker: context.abort never returns
         containers = [list(c.devices_ids) for c in request.container_requests]
         try:
-            answers = allocate(resource, containers, self.registry.health_of, self.settings.allocate)
+            answers = allocate(resource, containers, self.registry.health_of, self.current[1].allocate)
         except Refused as refused:
             log.warning("%s: Allocate %s refused: %s", self.resource_name, containers, refused.message)
             context.abort(getattr(grpc.StatusCode, refused.code), refused.message)

@@ -147,6 +147,8 @@ def test_sighup_reloads_config_and_registers_again(kubelet: FakeKubelet, socket_
         kubelet.wait_registered(GPU, count=2)
         devices = kubelet.wait_for_devices(GPU, lambda d: len(d) == 12)
         assert all("::" in d.id for d in devices)
+        # The same socket keeps serving: kubelet replaced the stream, the plugin never ended one.
+        assert kubelet.stream_ends(GPU, by_plugin_only=True) == []
         # A broken edit is refused and the running configuration stays.
         config.write_text("[time-slicing]\nreplica = 3\n")
         plugin.signal(signal.SIGHUP)
@@ -320,3 +322,43 @@ def test_plugin_socket_deleted_alone_is_served_again(kubelet: FakeKubelet, socke
         while not (socket_dir / SOCKET).exists() and time.monotonic() < deadline:
             time.sleep(0.02)
         assert (socket_dir / SOCKET).exists()
+
+
+def test_registration_refused_by_kubelet_waits_for_a_new_kubelet(socket_dir: Path) -> None:
+    import grpc
+
+    from gpunode.plugin.api import deviceplugin_pb2 as pb
+    from gpunode.plugin.api import deviceplugin_pb2_grpc as pb_grpc
+
+    calls: list[str] = []
+    services: Any = pb_grpc  # generated, untyped
+
+    class Refusing(pb_grpc.RegistrationServicer):
+        def Register(self, request: pb.RegisterRequest, context: Any) -> pb.Empty:
+            calls.append(request.resource_name)
+            context.abort(grpc.StatusCode.UNKNOWN, 'the ResourceName "nvidia.com/gpu" is invalid')
+            raise AssertionError("abort raises")
+
+    def refusing_kubelet() -> Any:
+        from concurrent import futures
+
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        services.add_RegistrationServicer_to_server(Refusing(), server)
+        server.add_insecure_port(f"unix://{socket_dir / 'kubelet.sock'}")
+        server.start()
+        return server
+
+    socket_dir.mkdir(parents=True)
+    server = refusing_kubelet()
+    try:
+        with PluginProcess(socket_dir, profile="h100") as plugin:
+            plugin.wait_for_log("kubelet refused the registration")
+            assert "is invalid" in plugin.log() and "retrying" not in plugin.log()
+            # Refused is final for this kubelet; a new kubelet (a new kubelet.sock) is asked again.
+            server.stop(None).wait()
+            (socket_dir / "kubelet.sock").unlink(missing_ok=True)
+            with FakeKubelet(socket_dir) as kubelet:
+                kubelet.wait_registered(GPU)
+            assert calls == [GPU]
+    finally:
+        server.stop(None)
