@@ -378,7 +378,9 @@ class _Reader:
             if peer is not None and kind in (None, NVLINK_DEVICE_TYPE_GPU):
                 if index < peer:
                     direct[(index, peer)] = direct.get((index, peer), 0) + 1
-            elif kind == NVLINK_DEVICE_TYPE_SWITCH or peer is None:
+            # A GPU-type peer that was not read (lost) is no switch: counting it as one would join every
+            # GPU linked to it. Without a device type, an unknown peer is taken for an NVSwitch.
+            elif kind == NVLINK_DEVICE_TYPE_SWITCH or (peer is None and kind is None):
                 per_switch = switch_links.setdefault(index, {})
                 per_switch[remote] = per_switch.get(remote, 0) + 1
 

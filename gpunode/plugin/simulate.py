@@ -218,6 +218,8 @@ class _Expander:
         self.unknown: list[str] = []
         # Discovery maps buses to GPUs from what it read, and reads no bus id from a lost GPU.
         self.by_bus = {slot.bus: i for i, slot in enumerate(machine.gpus) if not slot.lost}
+        # NVML still says a link's far end is a GPU when that GPU is lost: only other buses are NVSwitches.
+        self.gpu_buses = {slot.bus for slot in machine.gpus}
 
     def refusal(self, fn: str) -> int | None:
         """The NVML error `fn` answers with on this machine (the fake checks missing first)."""
@@ -358,8 +360,8 @@ class _Expander:
         # Discovery counts a direct link from the lower index's end only (each end reports it) ...
         direct = sum(count for bus, count in a.nvlink if self.by_bus.get(bus) == b_index)
         # ... and lets a pair behind common NVSwitches use all of the smaller side's switch links.
-        a_switch = {bus: count for bus, count in a.nvlink if bus not in self.by_bus}
-        b_switch = {bus: count for bus, count in b.nvlink if bus not in self.by_bus}
+        a_switch = {bus: count for bus, count in a.nvlink if bus not in self.gpu_buses}
+        b_switch = {bus: count for bus, count in b.nvlink if bus not in self.gpu_buses}
         if a_switch.keys() & b_switch.keys():
             direct += min(sum(a_switch.values()), sum(b_switch.values()))
         return direct

@@ -63,6 +63,24 @@ def test_pairs_of_nvlink_bridges(fake_nvml: Callable[..., None], tmp_path: Path)
     assert links == {(0, 1): 4, (0, 2): 0, (0, 3): 0, (1, 2): 0, (1, 3): 0, (2, 3): 4}
 
 
+def test_links_to_a_lost_gpu_do_not_join_its_neighbours(
+    fake_nvml: Callable[..., None], tmp_path: Path
+) -> None:
+    # 0 <-> 1 <-> 2 by NVLink bridges, and GPU 1 is lost: 0 and 2 have no link between them.
+    config = tmp_path / "nvml.conf"
+    gpu = "[gpu]\nname = NVIDIA A100-SXM4-80GB\nmemory_total = 80 GiB\n"
+    config.write_text(
+        "[system]\n"
+        + gpu + "pci_bus_id = 00000000:01:00.0\nnvlink = 00000000:02:00.0*4\n"
+        + gpu + "pci_bus_id = 00000000:02:00.0\nnvlink = 00000000:01:00.0*4, 00000000:03:00.0*4\nlost = 1\n"
+        + gpu + "pci_bus_id = 00000000:03:00.0\nnvlink = 00000000:02:00.0*4\n"
+    )  # fmt: skip
+    fake_nvml(config=config)
+    inv = discover(Host(root=tmp_path))
+    assert inv.gpus[1].lost
+    assert {(p.a, p.b): p.nvlinks for p in inv.pairs} == {(0, 2): 0}
+
+
 def test_pcie_numa_from_sysfs_wins_over_nvml(fake_nvml: Callable[..., None], tmp_path: Path) -> None:
     fake_nvml("pcie-4")
     first = discover(Host(root=tmp_path))
