@@ -20,7 +20,7 @@ from typing import Any
 
 import grpc
 
-from gpunode.errors import ConfigError, GpunodeError, NvmlError
+from gpunode.errors import ConfigError, ExitCode, GpunodeError, NvmlError
 from gpunode.host import Host
 from gpunode.nvml.model import Inventory
 from gpunode.plugin.allocate import AllocateSettings, DeviceNodes, read_device_nodes
@@ -42,6 +42,10 @@ REGISTER_TIMEOUT = 5.0
 RETRY_FIRST = 0.2
 RETRY_MAX = 10.0
 DISCOVERY_RETRY_MAX = 60.0
+
+
+class ServeFailed(GpunodeError):
+    """A resource's socket could not be served (permissions, a bad socket directory)."""
 
 
 @dataclass
@@ -152,7 +156,15 @@ class Plugin:
                         continue
                     if payload.name == KUBELET_SOCKET:
                         self._kubelet_appeared()
-                self._reconcile()
+                try:
+                    self._reconcile()
+                except ServeFailed as err:
+                    # Fatal at start (above); later, e.g. the directory re-created with other permissions,
+                    # keep the plugin alive and try again.
+                    log.error("%s; retrying in 1s", err.message)
+                    retry = threading.Timer(1.0, lambda: self._events.put(("retry", None)))
+                    retry.daemon = True
+                    retry.start()
         finally:
             self._shutdown()
 
@@ -346,7 +358,16 @@ class Plugin:
         path = os.path.join(self.socket_dir, resource.socket_name)
         service = DevicePluginService(resource.name, self.registry, self._topology, self._serve_settings())
         server = ResourceServer(path, service)
-        server.start()
+        try:
+            server.start()
+        except (OSError, RuntimeError) as exc:  # grpc reports a failed bind as RuntimeError
+            server.stop(grace=0.0, remove_socket=False)
+            raise ServeFailed(
+                f"{resource.name}: cannot serve on {path}: {exc}",
+                f"check that {self.config.socket_dir} is kubelet's device-plugins directory and that "
+                "gpunode runs as root (it must create sockets there)",
+                exit_code=ExitCode.PERMISSION if isinstance(exc, PermissionError) else ExitCode.ERROR,
+            ) from exc
         log.info("%s: serving on %s", resource.name, path)
         return server
 
@@ -415,6 +436,8 @@ class Plugin:
                     refused=served.refused if served else None,
                 )
             )
+        if waiting_for and waiting_for != self.status.waiting_for:
+            log.info("waiting for %s", waiting_for)
         self.status = PluginStatus(resources, waiting_for, self.status.nvml_error)
         if self.on_status is not None:
             self.on_status(self.status)

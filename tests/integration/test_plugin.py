@@ -362,3 +362,17 @@ def test_registration_refused_by_kubelet_waits_for_a_new_kubelet(socket_dir: Pat
             assert calls == [GPU]
     finally:
         server.stop(None)
+
+
+def test_a_socket_it_cannot_serve_is_a_clear_error(socket_dir: Path) -> None:
+    # A unix socket path longer than 107 bytes cannot be bound: gRPC's bare "failed to bind" must become
+    # a sentence that names the path.
+    deep = socket_dir / ("d" * 100)
+    deep.mkdir(parents=True)
+    plugin = PluginProcess(deep, profile="h100", log_dir=socket_dir).start()
+    try:
+        assert plugin.wait() == 3
+        log = plugin.log()
+        assert f"cannot serve on {deep}/gpunode-nvidia.com-gpu.sock" in log and "Traceback" not in log
+    finally:
+        plugin.stop()
