@@ -221,13 +221,13 @@ def resource_name_problem(name: str) -> str | None:
 
 def read_config_file(host: Host, path: str, *, required: bool) -> dict[str, tuple[Any, str]]:
     """The options set in a TOML file, by option name, with their origin. Unknown keys are errors."""
-    from gpunode.runtimes.edits import parse_toml_document
-
     text = host.read_text_if_exists(path)
     if text is None:
         if required:
             raise NotFound(f"plugin config {path} does not exist", f"create it, or drop --config {path}")
         return {}
+    from gpunode.runtimes.edits import parse_toml_document  # tomlkit: only when there is a file
+
     doc = parse_toml_document(text, path).unwrap()
     found: dict[str, tuple[Any, str]] = {}
     unknown: list[str] = []

@@ -8,7 +8,7 @@ and every ListAndWatch stream of an affected resource wakes up (a condition vari
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -314,11 +314,14 @@ class DeviceRegistry:
                 return -1, ()
             return state.version, tuple(self._health(d) for d in state.resource.devices)
 
-    def wait_for_change(self, name: str, seen: int, stop: threading.Event | None = None) -> bool:
-        """Block until the resource's version differs from `seen`; False when closed or `stop` is set."""
+    def wait_for_change(self, name: str, seen: int, stop: Callable[[], bool] | None = None) -> bool:
+        """Block until the resource's version differs from `seen`; False once closed or `stop()` is true.
+
+        Whoever makes `stop()` true must call `wake()` after, so the waiter looks again.
+        """
         with self._cond:
             while True:
-                if self._closed or (stop is not None and stop.is_set()):
+                if self._closed or (stop is not None and stop()):
                     return False
                 state = self._states.get(name)
                 current = state.version if state else -1

@@ -194,15 +194,17 @@ class Plugin:
         for timer in [self._discovery_timer, *(s.retry_timer for s in self._served.values())]:
             if timer is not None:
                 timer.cancel()
-        if self._health is not None:
-            self._health.stop()
-        if self._watch is not None:
-            self._watch.stop()
+        # Streams first (closing the registry ends every ListAndWatch at once), then the servers, which
+        # then have nothing in flight to wait for.
+        self.registry.close()
         for name, served in list(self._served.items()):
             served.server.stop()
             log.info("%s: stopped serving, removed %s", name, served.server.socket_path)
         self._served.clear()
-        self.registry.close()
+        if self._watch is not None:
+            self._watch.stop()
+        if self._health is not None:
+            self._health.stop()
 
     # -- devices --------------------------------------------------------------------------------
 

@@ -85,8 +85,11 @@ class DevicePluginService(deviceplugin_pb2_grpc.DevicePluginServicer):
             if version != seen:
                 seen = version
                 yield pb.ListAndWatchResponse(devices=[device_message(s) for s in states])
-            # Returns on a change, on stream end (cancel, server stop) or when the plugin stops.
-            if not self.registry.wait_for_change(self.resource_name, seen, ended):
+            # Returns on a change, on the stream's end (cancel) or when this server stops: a stop must not
+            # wait for gRPC's grace period to cancel the stream.
+            if not self.registry.wait_for_change(
+                self.resource_name, seen, lambda: ended.is_set() or self.stopping.is_set()
+            ):
                 break
         log.debug("%s: ListAndWatch stream closed", self.resource_name)
 
