@@ -40,9 +40,11 @@ def config_loader(
 
 def inventory_source(host: Host, simulate: str | None) -> Callable[[PluginConfig], Inventory]:
     if simulate:
-        from gpunode.plugin.simulate import simulated_inventory
+        from gpunode.plugin.simulate import PROFILES, simulated_inventory
 
-        simulated_inventory(simulate)  # an unknown profile is a usage error before anything is served
+        if simulate not in PROFILES:
+            simulated_inventory(simulate)  # raises the UsageError that names the known profiles
+        # `no-driver` and `init-fail` fail later, like NVML would, so fail-on-init-error applies to them.
         return lambda _config: simulated_inventory(simulate)
 
     def real(config: PluginConfig) -> Inventory:

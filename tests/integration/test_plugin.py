@@ -376,3 +376,15 @@ def test_a_socket_it_cannot_serve_is_a_clear_error(socket_dir: Path) -> None:
         assert f"cannot serve on {deep}/gpunode-nvidia.com-gpu.sock" in log and "Traceback" not in log
     finally:
         plugin.stop()
+
+
+def test_simulated_driver_failure_follows_fail_on_init_error(socket_dir: Path) -> None:
+    plugin = PluginProcess(socket_dir, ["--simulate", "no-driver"], profile=None).start()
+    try:
+        assert plugin.wait() == 7 and "Driver Not Loaded" in plugin.log()
+    finally:
+        plugin.stop()
+    args = ["--simulate", "no-driver", "--no-fail-on-init-error"]
+    with PluginProcess(socket_dir, args, profile=None) as waiting:
+        waiting.wait_for_log("retrying")
+        assert waiting.proc is not None and waiting.proc.poll() is None
