@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from gpunode.plugin.health import APPLICATION_XIDS
 
 from gpunode.errors import ConfigError, NotFound
 from gpunode.host import Host
@@ -17,6 +16,7 @@ from gpunode.plugin.config import (
     load_config,
     resource_name_problem,
 )
+from gpunode.plugin.health import APPLICATION_XIDS
 from tests.integration.kubelet import is_valid_extended_resource_name
 
 FULL = """\
