@@ -14,6 +14,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -103,12 +104,16 @@ class Plugin:
         *,
         simulated: bool = False,
         on_status: Callable[[PluginStatus], None] | None = None,
+        heartbeat: tuple[float, Callable[[], object]] | None = None,
     ) -> None:
+        """`heartbeat` (interval, fn): fn is called at least that often from the event loop itself, so
+        a watchdog fed by it notices a loop that is stuck (systemd's WatchdogSec)."""
         self.host = host
         self._load_config = load_config
         self._discover = discover
         self.simulated = simulated
         self.on_status = on_status
+        self._heartbeat = heartbeat
         self.config: PluginConfig = load_config()
         self.registry = DeviceRegistry()
         self.status = PluginStatus()
@@ -142,8 +147,20 @@ class Plugin:
             self._load_devices(first=True)
             self._start_watch()
             self._reconcile()
+            next_beat = 0.0
             while True:
-                kind, payload = self._events.get()
+                if self._heartbeat is not None:
+                    interval, beat = self._heartbeat
+                    now = time.monotonic()
+                    if now >= next_beat:
+                        beat()
+                        next_beat = now + interval
+                    try:
+                        kind, payload = self._events.get(timeout=max(0.0, next_beat - time.monotonic()))
+                    except queue.Empty:
+                        continue
+                else:
+                    kind, payload = self._events.get()
                 if kind == "stop":
                     log.info("stopping")
                     return

@@ -2,16 +2,67 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import json
 import logging
 import os
 import signal
 import sys
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from gpunode.errors import GpunodeError
 from gpunode.host import Host
 from gpunode.nvml.model import Inventory
 from gpunode.plugin.config import PluginConfig, load_config
+
+if TYPE_CHECKING:
+    from gpunode.plugin.lifecycle import PluginStatus
+    from gpunode.systemd.notify import Notifier
+
+
+STATUS_FILE = "/run/gpunode/plugin-status.json"
+STATUS_FILE_ENV = "GPUNODE_PLUGIN_STATUS_FILE"  # another place, for a second plugin (tests, benchmarks)
+
+
+class StatusReporter:
+    """Tells systemd (READY=1 once every resource is registered, STATUS= on every change) and leaves the
+    same facts in /run/gpunode/plugin-status.json for `gpunode plugin status`."""
+
+    def __init__(self, host: Host, notifier: Notifier) -> None:
+        self.host = host
+        self.notifier = notifier
+        self.path = host.env.get(STATUS_FILE_ENV) or STATUS_FILE
+        self.ready_sent = False
+        self.last: str | None = None
+        self.log = logging.getLogger("gpunode.plugin")
+
+    def __call__(self, status: PluginStatus) -> None:
+        summary = status.summary()
+        if status.ready and not self.ready_sent:
+            self.ready_sent = self.notifier.ready(summary) or self.ready_sent
+            self.log.info("ready: %s", summary)
+        elif summary != self.last:
+            self.notifier.status(summary)
+        self.last = summary
+        document = {
+            "pid": os.getpid(),
+            "ready": status.ready,
+            "waiting_for": status.waiting_for,
+            "nvml_error": status.nvml_error,
+            "summary": summary,
+            "resources": [dataclasses.asdict(r) for r in status.resources],
+        }
+        try:
+            self.host.make_dirs(os.path.dirname(self.path), mode=0o755)
+            self.host.write_file(self.path, json.dumps(document, indent=2) + "\n", mode=0o644)
+        except GpunodeError as err:  # status is a courtesy: never let it stop the plugin
+            self.log.debug("cannot write %s: %s", self.path, err.message)
+
+    def remove(self) -> None:
+        with contextlib.suppress(GpunodeError):
+            self.host.remove_file(self.path)
 
 
 def setup_logging(debug: bool, env: Mapping[str, str]) -> None:
@@ -67,11 +118,22 @@ def run_plugin(
 ) -> None:
     """Serve until SIGTERM/SIGINT; SIGHUP reloads. Raises GpunodeError for what stops it at start."""
     from gpunode.plugin.lifecycle import Plugin
+    from gpunode.systemd.notify import Notifier
 
     setup_logging(debug, os.environ)
     log = logging.getLogger("gpunode.plugin")
     loader = config_loader(host, config_path, flags)
-    plugin = Plugin(host, loader, inventory_source(host, simulate), simulated=bool(simulate))
+    notifier = Notifier()
+    reporter = StatusReporter(host, notifier)
+    interval = notifier.watchdog_interval
+    plugin = Plugin(
+        host,
+        loader,
+        inventory_source(host, simulate),
+        simulated=bool(simulate),
+        on_status=reporter,
+        heartbeat=(interval, notifier.watchdog) if interval else None,
+    )
     signal.signal(signal.SIGTERM, lambda *_: plugin.request_stop())
     signal.signal(signal.SIGINT, lambda *_: plugin.request_stop())
     signal.signal(signal.SIGHUP, lambda *_: plugin.request_reload())
@@ -80,5 +142,9 @@ def run_plugin(
         f"simulated node {simulate!r}" if simulate else "NVML",
         plugin.config.socket_dir,
     )
-    plugin.run()
+    try:
+        plugin.run()
+    finally:
+        notifier.stopping()
+        reporter.remove()
     log.info("stopped")

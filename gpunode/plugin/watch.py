@@ -97,6 +97,7 @@ class DirectoryWatch:
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._dir_wd: int | None = None
         self._ancestor: tuple[int, str] | None = None  # (wd, path) while the directory is missing
+        self._logged_ancestor: str | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.ready = threading.Event()
@@ -144,7 +145,9 @@ class DirectoryWatch:
         # It may have appeared between the failed add and the ancestor watch.
         if os.path.isdir(self.directory):
             return self._arm()
-        log.info("waiting for %s to exist (watching %s)", self.directory, path)
+        if path != self._logged_ancestor:
+            log.info("waiting for %s to exist (watching %s)", self.directory, path)
+            self._logged_ancestor = path
         self.ready.set()
         return False
 
@@ -177,6 +180,17 @@ class DirectoryWatch:
                     self.on_event(DirEvent("created", name))
                 elif mask & (IN_DELETE | IN_MOVED_FROM):
                     self.on_event(DirEvent("deleted", name))
-            # Anything under the ancestor changed: re-arm, climbing down toward the directory.
-            elif self._ancestor is not None and wd == self._ancestor[0] and self._arm():
+            # Only the next directory on the way down (or the ancestor itself going away) matters; other
+            # files come and go there all the time.
+            elif (
+                self._ancestor is not None
+                and wd == self._ancestor[0]
+                and self._on_the_way(self._ancestor[1], mask, name)
+                and self._arm()
+            ):
                 self.on_event(DirEvent("dir-ready", ""))
+
+    def _on_the_way(self, ancestor: str, mask: int, name: str) -> bool:
+        if mask & (IN_DELETE_SELF | IN_MOVE_SELF | IN_IGNORED):
+            return True
+        return name == os.path.relpath(self.directory, ancestor).split(os.sep, 1)[0]

@@ -47,8 +47,11 @@ class PluginProcess:
         self.args = list(args)
         base = {k: v for k, v in os.environ.items() if not k.startswith(("GPUNODE_", "DP_"))}
         fake = fakenvml.env(profile, nvml_config, control) if profile or nvml_config else {}
-        self.env = {**base, **fake, "PYTHONPATH": str(REPO), **(env or {})}
         self.log_path = (log_dir or socket_dir.parent) / f"plugin-{os.getpid()}-{id(self)}.log"
+        # Never the real /run/gpunode: several plugins run at once in tests.
+        self.status_path = self.log_path.with_suffix(".status.json")
+        status = {"GPUNODE_PLUGIN_STATUS_FILE": str(self.status_path)}
+        self.env = {**base, **fake, "PYTHONPATH": str(REPO), **status, **(env or {})}
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> PluginProcess:
@@ -122,3 +125,4 @@ class PluginProcess:
             if exc is not None:
                 print(f"--- plugin log ({self.log_path}) ---\n{self.log()}")  # pytest shows it on failure
             self.log_path.unlink(missing_ok=True)
+            self.status_path.unlink(missing_ok=True)

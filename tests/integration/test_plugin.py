@@ -5,6 +5,7 @@ Every test gets its own socket directory under /tmp and its own plugin process, 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -388,3 +389,58 @@ def test_simulated_driver_failure_follows_fail_on_init_error(socket_dir: Path) -
     with PluginProcess(socket_dir, args, profile=None) as waiting:
         waiting.wait_for_log("retrying")
         assert waiting.proc is not None and waiting.proc.poll() is None
+
+
+class NotifySocket:
+    """What systemd's notification socket would receive from the plugin (a real datagram socket)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(path))
+        self.messages: list[dict[str, str]] = []
+
+    def receive(self, key: str, timeout: float = 30.0) -> dict[str, str]:
+        deadline = time.monotonic() + timeout
+        while True:
+            for message in self.messages:
+                if key in message:
+                    self.messages.remove(message)
+                    return message
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"no {key} notification within {timeout} s; got {self.messages}")
+            self.sock.settimeout(left)
+            try:
+                data = self.sock.recv(4096).decode()
+            except TimeoutError:
+                continue
+            self.messages.append(dict(line.split("=", 1) for line in data.splitlines() if "=" in line))
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_sd_notify_ready_only_after_registration_and_watchdog(socket_dir: Path) -> None:
+    notify = NotifySocket(socket_dir.parent / "notify.sock")
+    socket_dir.mkdir()
+    env = {"NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": "400000"}
+    try:
+        with PluginProcess(socket_dir, profile="pcie-4", env=env) as plugin:
+            notify.receive("WATCHDOG")  # fed by the event loop (every 0.2 s here) before kubelet exists
+            plugin.wait_for_log("waiting for kubelet")
+            assert not any("READY" in m for m in notify.messages)  # cannot register: never ready
+            with FakeKubelet(socket_dir) as kubelet:
+                kubelet.wait_registered(GPU)
+                ready = notify.receive("READY")
+                assert ready["READY"] == "1" and "nvidia.com/gpu: 4/4 healthy, registered" in ready["STATUS"]
+                notify.receive("WATCHDOG")
+                status = json.loads(plugin.status_path.read_text())
+                assert status["ready"] and status["pid"] == plugin.pid
+                assert status["resources"][0]["name"] == GPU and status["resources"][0]["registered"]
+            plugin.signal(signal.SIGTERM)
+            assert plugin.wait() == 0
+            notify.receive("STOPPING")
+            assert not plugin.status_path.exists()
+    finally:
+        notify.close()
