@@ -7,6 +7,8 @@ PLUGIN_SOCKET_PREFIX = "gpunode-"
 PLUGIN_SOCKET_NAME = "gpunode-nvidia.com-gpu.sock"
 PLUGIN_SOCKET = f"{DEVICE_PLUGIN_DIR}/{PLUGIN_SOCKET_NAME}"
 PLUGIN_SERVICE = "gpunode-device-plugin.service"
+# The running plugin's registration state, for `gpunode plugin status`.
+PLUGIN_STATUS_FILE = "/run/gpunode/plugin-status.json"
 # NVIDIA's own device plugin (k8s-device-plugin) serves on this socket name.
 NVIDIA_PLUGIN_SOCKET = f"{DEVICE_PLUGIN_DIR}/nvidia-gpu.sock"
 

@@ -160,3 +160,121 @@ def run(
     from gpunode.plugin.runner import run_plugin
 
     run_plugin(app_state.host, config_path=config, flags=flags, simulate=simulate, debug=app_state.debug)
+
+
+@app.command("install")
+def install(
+    ctx: typer.Context,
+    config: Optional[str] = typer.Option(  # noqa: UP045
+        None,
+        "--config",
+        metavar="FILE",
+        help="A plugin TOML config to install as /etc/gpunode/plugin.toml (checked first).",
+        show_default=False,
+    ),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the unit and the commands; change nothing."),
+    no_start: bool = typer.Option(False, "--no-start", help="Install and enable, but do not start it now."),
+) -> None:
+    """Install the plugin as the systemd service gpunode-device-plugin, start it, wait until registered."""
+    from gpunode.cli.main import state
+    from gpunode.systemd import service
+
+    host = state(ctx).host
+    if not dry_run:
+        service.require_root(host, "plugin install")
+    plan = service.plan_install(
+        host, config_file=config, start=not no_start, executable=service.gpunode_executable()
+    )
+    if dry_run:
+        _print_plan(plan)
+        return
+    if plan.changes_nothing and (no_start or service.service_state(host).active == "active"):
+        typer.echo(f"{service.UNIT} is installed and up to date; nothing to do")
+        _print_state(service.service_state(host))
+        return
+    result = service.apply_install(host, plan)
+    for f in plan.files:
+        typer.echo(f"{'wrote' if f.changed else 'unchanged'} {f.path}")
+    for argv in plan.commands:
+        typer.echo(f"ran {' '.join(argv)}")
+    _print_state(result)
+
+
+@app.command("uninstall")
+def uninstall(
+    ctx: typer.Context,
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print what would be stopped and removed."),
+) -> None:
+    """Stop and disable the service and remove the files `plugin install` wrote (nothing else)."""
+    from gpunode.cli.main import state
+    from gpunode.systemd import service
+
+    host = state(ctx).host
+    if not dry_run:
+        service.require_root(host, "plugin uninstall")
+    plan = service.plan_uninstall(host)
+    if dry_run:
+        _print_plan(plan)
+        return
+    if plan.changes_nothing:
+        typer.echo(f"{service.UNIT} is not installed; nothing to do")
+    else:
+        service.apply_uninstall(host, plan)
+        for argv in plan.commands:
+            typer.echo(f"ran {' '.join(argv)}")
+        for path in plan.remove:
+            typer.echo(f"removed {path}")
+    for note in plan.notes:
+        typer.echo(f"note: {note}")
+
+
+@app.command("status")
+def status(ctx: typer.Context) -> None:
+    """The service's state, whether the plugin is registered with kubelet, and the devices it serves."""
+    from gpunode.cli.main import state
+    from gpunode.errors import ExitCode
+    from gpunode.systemd import service
+
+    current = service.service_state(state(ctx).host)
+    _print_state(current)
+    if current.active != "active" or not (current.plugin or {}).get("ready"):
+        raise typer.Exit(int(ExitCode.UNHEALTHY))
+
+
+def _print_plan(plan: Any) -> None:
+    for f in plan.files:
+        verb = "unchanged" if not f.changed else ("would create" if f.before is None else "would replace")
+        typer.echo(f"{verb} {f.path}:")
+        if f.changed:
+            typer.echo("".join(f"    {line}\n" for line in f.content.splitlines()), nl=False)
+    for path in plan.remove:
+        typer.echo(f"would remove {path}")
+    for argv in plan.commands:
+        typer.echo(f"would run: {' '.join(argv)}")
+    if plan.wait_ready:
+        typer.echo("would wait until the plugin is registered with kubelet (the unit turns active)")
+    for note in plan.notes:
+        typer.echo(f"note: {note}")
+    if plan.changes_nothing:
+        typer.echo("nothing to change")
+
+
+def _print_state(current: Any) -> None:
+    props = current.properties
+    typer.echo(
+        f"service: {props.get('ActiveState', 'unknown')} ({props.get('SubState', '?')}), "
+        f"{props.get('UnitFileState', 'unknown')}, restarts {props.get('NRestarts', '?')}"
+    )
+    plugin = current.plugin
+    if not plugin:
+        typer.echo("plugin: no status (not running)")
+        return
+    typer.echo(f"plugin: pid {plugin.get('pid')}, {plugin.get('summary')}")
+    for resource in plugin.get("resources") or []:
+        state_text = (
+            "registered" if resource.get("registered") else (resource.get("refused") or "not registered")
+        )
+        typer.echo(
+            f"  {resource.get('name')}: {resource.get('healthy')}/{resource.get('devices')} healthy, "
+            f"{state_text} ({resource.get('socket')})"
+        )

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from gpunode import paths
 from gpunode.errors import GpunodeError
 from gpunode.host import Host
 from gpunode.nvml.model import Inventory
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
     from gpunode.systemd.notify import Notifier
 
 
-STATUS_FILE = "/run/gpunode/plugin-status.json"
+STATUS_FILE = paths.PLUGIN_STATUS_FILE
 STATUS_FILE_ENV = "GPUNODE_PLUGIN_STATUS_FILE"  # another place, for a second plugin (tests, benchmarks)
 
 

@@ -1,0 +1,263 @@
+"""Install, remove and inspect the device plugin's systemd service.
+
+detect → plan → apply → verify: `plan_install` reads the host and returns the files to write and the
+systemctl commands to run (what `--dry-run` prints); `apply_install` writes atomically, runs them and
+waits until systemd reports the unit active — with Type=notify that means the plugin has registered with
+kubelet. What install wrote is recorded (checksums) so that uninstall removes exactly that.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+from gpunode import paths
+from gpunode.errors import CommandFailed, GpunodeError, NotFound, PermissionDenied
+from gpunode.host import Host
+
+UNIT = paths.PLUGIN_SERVICE
+UNIT_PATH = f"/etc/systemd/system/{UNIT}"
+CONFIG_PATH = "/etc/gpunode/plugin.toml"
+RECORD_PATH = "/var/lib/gpunode/plugin-service.json"
+BACKUP_DIR = "/var/lib/gpunode/backups"
+STATUS_FILE = paths.PLUGIN_STATUS_FILE
+READY_TIMEOUT = 120.0
+SYSTEMCTL_TIMEOUT = 60.0
+SHOW_PROPERTIES = ("ActiveState", "SubState", "UnitFileState", "StatusText", "MainPID", "NRestarts", "Result")
+
+
+@dataclass(frozen=True)
+class FileWrite:
+    path: str
+    content: str
+    mode: int
+    before: str | None  # None: the file does not exist
+
+    @property
+    def changed(self) -> bool:
+        return self.before != self.content
+
+
+@dataclass(frozen=True)
+class ServicePlan:
+    files: tuple[FileWrite, ...]
+    commands: tuple[tuple[str, ...], ...]
+    remove: tuple[str, ...] = ()  # files to delete (uninstall)
+    wait_ready: bool = False
+    notes: tuple[str, ...] = ()
+
+    @property
+    def changes_nothing(self) -> bool:
+        return not any(f.changed for f in self.files) and not self.commands and not self.remove
+
+
+@dataclass
+class ServiceState:
+    properties: dict[str, str] = field(default_factory=dict)
+    plugin: dict[str, object] | None = None  # the plugin's own status file, when it is running
+
+    @property
+    def active(self) -> str:
+        return self.properties.get("ActiveState", "unknown")
+
+    @property
+    def enabled(self) -> bool:
+        return self.properties.get("UnitFileState") in ("enabled", "enabled-runtime")
+
+
+def gpunode_executable() -> str:
+    """The installed `gpunode` program: next to this interpreter (a venv or /usr/local), else on PATH."""
+    beside = Path(sys.executable).parent / "gpunode"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    import shutil
+
+    found = shutil.which("gpunode")
+    if found is None:
+        raise NotFound(
+            "cannot find the installed `gpunode` program to put in the unit's ExecStart",
+            "install gpunode with ./install.sh (it puts gpunode on PATH), then run this again",
+        )
+    return str(Path(found).resolve())
+
+
+def render_unit(executable: str) -> str:
+    template = resources.files("gpunode.templates").joinpath(UNIT).read_text(encoding="utf-8")
+    return template.replace("@GPUNODE@", executable)
+
+
+def service_state(host: Host) -> ServiceState:
+    result = host.run(
+        ["systemctl", "show", UNIT, *(f"--property={p}" for p in SHOW_PROPERTIES)], timeout=SYSTEMCTL_TIMEOUT
+    )
+    props: dict[str, str] = {}
+    if result.ok:
+        for line in result.stdout.splitlines():
+            key, _, value = line.partition("=")
+            props[key.strip()] = value.strip()
+    plugin = None
+    text = host.read_text_if_exists(STATUS_FILE)
+    if text:
+        try:
+            loaded = json.loads(text)
+            plugin = loaded if isinstance(loaded, dict) else None
+        except ValueError:
+            plugin = None
+    return ServiceState(props, plugin)
+
+
+def plan_install(host: Host, *, config_file: str | None, start: bool, executable: str) -> ServicePlan:
+    """What install would write and run. A config file is validated first (before systemd is touched)."""
+    files = [FileWrite(UNIT_PATH, render_unit(executable), 0o644, host.read_text_if_exists(UNIT_PATH))]
+    if config_file is not None:
+        files.append(FileWrite(CONFIG_PATH, _validated_config(host, config_file), 0o644,
+                               host.read_text_if_exists(CONFIG_PATH)))  # fmt: skip
+    state = service_state(host)
+    commands: list[tuple[str, ...]] = []
+    unit_changed = files[0].changed
+    config_changed = len(files) > 1 and files[1].changed
+    if unit_changed:
+        commands.append(("systemctl", "daemon-reload"))
+    if not state.enabled or unit_changed:
+        commands.append(("systemctl", "enable", UNIT))
+    running = state.active in ("active", "activating", "reloading")
+    if start:
+        if not running:
+            commands.append(("systemctl", "start", "--no-block", UNIT))
+        elif unit_changed:
+            commands.append(("systemctl", "restart", "--no-block", UNIT))
+        elif config_changed:
+            commands.append(("systemctl", "reload", UNIT))  # SIGHUP: the plugin re-reads its config
+    return ServicePlan(tuple(files), tuple(commands), wait_ready=start)
+
+
+def _validated_config(host: Host, config_file: str) -> str:
+    from gpunode.plugin.config import load_config
+
+    text = host.read_text_if_exists(config_file)
+    if text is None:
+        raise NotFound(f"plugin config {config_file} does not exist", "give the path of a plugin TOML file")
+    # The whole resolution, as the service will do it: unknown keys, bad values, impossible combinations.
+    load_config(host, config_path=config_file, env={})
+    return text
+
+
+def require_root(host: Host, what: str) -> None:
+    if host.euid != 0:
+        raise PermissionDenied(
+            f"{what} changes systemd units under /etc and needs root",
+            f"run it as root (sudo gpunode {what}), or add --dry-run to see the plan",
+        )
+
+
+def apply_install(
+    host: Host,
+    plan: ServicePlan,
+    *,
+    timeout: float = READY_TIMEOUT,
+    sleep: Callable[[float], None] = time.sleep,
+) -> ServiceState:
+    require_root(host, "plugin install")
+    record = _read_record(host)
+    for f in plan.files:
+        if f.changed:
+            backup = f"{BACKUP_DIR}{f.path}" if f.before is not None and f.path not in record else None
+            host.write_file(f.path, f.content, mode=f.mode, backup_to=backup, make_parents=True)
+        record[f.path] = _digest(f.content)
+    host.make_dirs(os.path.dirname(RECORD_PATH))
+    host.write_file(RECORD_PATH, json.dumps(record, indent=2, sort_keys=True) + "\n", mode=0o644)
+    for argv in plan.commands:
+        host.run(list(argv), timeout=SYSTEMCTL_TIMEOUT).check()
+    if not plan.wait_ready:
+        return service_state(host)
+    return wait_until_active(host, timeout=timeout, sleep=sleep)
+
+
+def wait_until_active(
+    host: Host, *, timeout: float = READY_TIMEOUT, sleep: Callable[[float], None] = time.sleep
+) -> ServiceState:
+    """Type=notify: the unit turns active only after the plugin's READY=1, i.e. once it has registered.
+
+    Polling systemctl is the only way to wait on another process's unit from outside.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        state = service_state(host)
+        if state.active == "active":
+            return state
+        if state.active == "failed" or time.monotonic() >= deadline:
+            why = state.properties.get("StatusText") or state.properties.get("Result") or state.active
+            raise CommandFailed(
+                f"{UNIT} did not become ready within {timeout:.0f}s ({state.active}: {why})" + _journal(host),
+                "the plugin is ready once it has registered with kubelet: check that kubelet runs "
+                f"(`systemctl status kubelet`) and `journalctl -u {UNIT}`",
+            )
+        sleep(0.5)
+
+
+def plan_uninstall(host: Host) -> ServicePlan:
+    """Stop, disable and remove what install wrote, and nothing else (files changed since are kept)."""
+    record = _read_record(host)
+    remove: list[str] = []
+    notes: list[str] = []
+    for path, digest in sorted(record.items()):
+        text = host.read_text_if_exists(path)
+        if text is None:
+            continue
+        if _digest(text) == digest:
+            remove.append(path)
+        else:
+            notes.append(f"{path} was changed after gpunode wrote it; left in place")
+    state = service_state(host)
+    commands: list[tuple[str, ...]] = []
+    if state.active not in ("inactive", "unknown") or state.enabled:
+        commands.append(("systemctl", "disable", "--now", UNIT))
+    if UNIT_PATH in remove:
+        commands.append(("systemctl", "daemon-reload"))
+    if not record and host.exists(UNIT_PATH):
+        notes.append(f"{UNIT_PATH} was not installed by gpunode (no record); left in place")
+    return ServicePlan((), tuple(commands), remove=tuple(remove), notes=tuple(notes))
+
+
+def apply_uninstall(host: Host, plan: ServicePlan) -> None:
+    require_root(host, "plugin uninstall")
+    reload_cmd = ("systemctl", "daemon-reload")
+    for argv in plan.commands:
+        if argv != reload_cmd:
+            host.run(list(argv), timeout=SYSTEMCTL_TIMEOUT).check()
+    for path in plan.remove:
+        host.remove_file(path)
+    if reload_cmd in plan.commands:
+        host.run(list(reload_cmd), timeout=SYSTEMCTL_TIMEOUT).check()
+    host.remove_file(RECORD_PATH)
+
+
+def _read_record(host: Host) -> dict[str, str]:
+    text = host.read_text_if_exists(RECORD_PATH)
+    if not text:
+        return {}
+    try:
+        loaded = json.loads(text)
+    except ValueError:
+        return {}
+    return {str(k): str(v) for k, v in loaded.items()} if isinstance(loaded, dict) else {}
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _journal(host: Host) -> str:
+    try:
+        log = host.run(["journalctl", "-u", UNIT, "-n", "15", "--no-pager", "-o", "cat"], timeout=15)
+    except GpunodeError:
+        return ""
+    lines = log.stdout.strip()
+    return f"\n{UNIT}'s last log lines:\n{lines}" if log.ok and lines else ""
