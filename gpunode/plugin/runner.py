@@ -41,12 +41,16 @@ class StatusReporter:
 
     def __call__(self, status: PluginStatus) -> None:
         summary = status.summary()
+        # The file first: whoever sees the unit turn active (READY=1) must find the same facts in it.
+        self._write(status, summary)
         if status.ready and not self.ready_sent:
             self.ready_sent = self.notifier.ready(summary) or self.ready_sent
             self.log.info("ready: %s", summary)
         elif summary != self.last:
             self.notifier.status(summary)
         self.last = summary
+
+    def _write(self, status: PluginStatus, summary: str) -> None:
         document = {
             "pid": os.getpid(),
             "ready": status.ready,
