@@ -32,3 +32,13 @@ def service_states(host: Host, units: Sequence[str]) -> dict[str, str | None]:
     if len(lines) != len(units):
         return unknown
     return {unit: line.strip() or None for unit, line in zip(units, lines, strict=True)}
+
+
+def journal_tail(host: Host, unit: str, lines: int = 15) -> str:
+    """The unit's last log lines as a paragraph to append to an error ("" when the journal cannot say)."""
+    try:
+        log = host.run(["journalctl", "-u", unit, "-n", str(lines), "--no-pager", "-o", "cat"], timeout=15)
+    except CommandFailed:
+        return ""
+    text = log.stdout.strip()
+    return f"\n{unit}'s last log lines:\n{text}" if log.ok and text else ""

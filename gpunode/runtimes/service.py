@@ -9,6 +9,7 @@ from collections.abc import Callable
 from gpunode.errors import CommandFailed
 from gpunode.host import Host
 from gpunode.runtimes.plan import RuntimePlan
+from gpunode.services import journal_tail
 
 RESTART_TIMEOUT = 120.0
 READY_TIMEOUT = 60.0
@@ -22,7 +23,7 @@ def restart(host: Host, plan: RuntimePlan) -> None:
     if not result.ok:
         raise CommandFailed(
             f"`systemctl restart {unit}` failed: {(result.stderr or result.stdout).strip()}"
-            + _journal(host, unit)
+            + journal_tail(host, unit)
         )
 
 
@@ -45,7 +46,7 @@ def wait_until_ready(
             return summary
         if time.monotonic() >= deadline:
             unit = plan.unit or plan.runtime
-            raise CommandFailed(f"{plan.runtime} did not come back: {summary}" + _journal(host, unit))
+            raise CommandFailed(f"{plan.runtime} did not come back: {summary}" + journal_tail(host, unit))
         sleep(0.5)
 
 
@@ -98,12 +99,3 @@ def _expected(plan: RuntimePlan, runtimes: set[str], default: str, who: str) -> 
     if as_default and default != name:
         return False, f"{who} is running but its default runtime is {default!r}, not {name!r}"
     return True, f"{who} lists the {name!r} runtime" + (" as its default" if default == name else "")
-
-
-def _journal(host: Host, unit: str) -> str:
-    try:
-        log = host.run(["journalctl", "-u", unit, "-n", "15", "--no-pager", "-o", "cat"], timeout=15)
-    except CommandFailed:
-        return ""
-    lines = log.stdout.strip()
-    return f"\n{unit}'s last log lines:\n{lines}" if log.ok and lines else ""

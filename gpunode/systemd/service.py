@@ -19,8 +19,9 @@ from importlib import resources
 from pathlib import Path
 
 from gpunode import paths
-from gpunode.errors import CommandFailed, GpunodeError, NotFound, PermissionDenied
+from gpunode.errors import CommandFailed, NotFound, PermissionDenied
 from gpunode.host import Host
+from gpunode.services import journal_tail
 
 UNIT = paths.PLUGIN_SERVICE
 UNIT_PATH = f"/etc/systemd/system/{UNIT}"
@@ -195,7 +196,8 @@ def wait_until_active(
         if state.active == "failed" or time.monotonic() >= deadline:
             why = state.properties.get("StatusText") or state.properties.get("Result") or state.active
             raise CommandFailed(
-                f"{UNIT} did not become ready within {timeout:.0f}s ({state.active}: {why})" + _journal(host),
+                f"{UNIT} did not become ready within {timeout:.0f}s ({state.active}: {why})"
+                + journal_tail(host, UNIT),
                 "the plugin is ready once it has registered with kubelet: check that kubelet runs "
                 f"(`systemctl status kubelet`) and `journalctl -u {UNIT}`",
             )
@@ -252,12 +254,3 @@ def _read_record(host: Host) -> dict[str, str]:
 
 def _digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
-
-
-def _journal(host: Host) -> str:
-    try:
-        log = host.run(["journalctl", "-u", UNIT, "-n", "15", "--no-pager", "-o", "cat"], timeout=15)
-    except GpunodeError:
-        return ""
-    lines = log.stdout.strip()
-    return f"\n{UNIT}'s last log lines:\n{lines}" if log.ok and lines else ""
