@@ -192,6 +192,8 @@ def install(
         typer.echo(f"{service.UNIT} is installed and up to date; nothing to do")
         _print_state(service.service_state(host))
         return
+    for note in plan.notes:
+        typer.echo(f"note: {note}")
     result = service.apply_install(host, plan)
     for f in plan.files:
         typer.echo(f"{'wrote' if f.changed else 'unchanged'} {f.path}")

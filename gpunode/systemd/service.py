@@ -89,9 +89,34 @@ def gpunode_executable() -> str:
     return str(Path(found).resolve())
 
 
+# Hardening options that would hide the program itself when gpunode is installed below these directories
+# (a venv in /root, a checkout in /tmp): the unit would fail with 203/EXEC, so they are turned off.
+_HIDING = {
+    "ProtectHome=yes": ("/home", "/root", "/run/user"),
+    "PrivateTmp=yes": ("/tmp", "/var/tmp"),  # noqa: S108 (names the directories, creates nothing)
+}
+
+
 def render_unit(executable: str) -> str:
     template = resources.files("gpunode.templates").joinpath(UNIT).read_text(encoding="utf-8")
-    return template.replace("@GPUNODE@", executable)
+    text = template.replace("@GPUNODE@", executable)
+    for option, prefixes in _HIDING.items():
+        hidden_under = [p for p in prefixes if executable == p or executable.startswith(p + "/")]
+        if hidden_under:
+            text = text.replace(
+                f"\n{option}\n",
+                f"\n# {option} is off: gpunode is installed under {hidden_under[0]}, which it would hide\n",
+            )
+    return text
+
+
+def hardening_relaxed(executable: str) -> list[str]:
+    """The hardening options render_unit turns off for this location (to tell the operator)."""
+    return [
+        option
+        for option, prefixes in _HIDING.items()
+        if any(executable == p or executable.startswith(p + "/") for p in prefixes)
+    ]
 
 
 def service_state(host: Host) -> ServiceState:
@@ -136,7 +161,12 @@ def plan_install(host: Host, *, config_file: str | None, start: bool, executable
             commands.append(("systemctl", "restart", "--no-block", UNIT))
         elif config_changed:
             commands.append(("systemctl", "reload", UNIT))  # SIGHUP: the plugin re-reads its config
-    return ServicePlan(tuple(files), tuple(commands), wait_ready=start)
+    notes = tuple(
+        f"{option} is off in the unit: {executable} lies in a directory it would hide; install gpunode "
+        "under /usr/local or /opt to keep it"
+        for option in hardening_relaxed(executable)
+    )
+    return ServicePlan(tuple(files), tuple(commands), wait_ready=start, notes=notes)
 
 
 def _validated_config(host: Host, config_file: str) -> str:

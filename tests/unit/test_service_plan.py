@@ -208,3 +208,24 @@ def test_status_shows_service_and_registration(tmp_path: Path, capsys: pytest.Ca
     out = capsys.readouterr().out
     assert "service: active (running), enabled" in out
     assert "nvidia.com/gpu: 3/4 healthy, registered (gpunode-nvidia.com-gpu.sock)" in out
+
+
+@pytest.mark.parametrize(
+    ("executable", "off"),
+    [
+        ("/usr/local/bin/gpunode", []),
+        ("/opt/gpunode/bin/gpunode", []),
+        ("/root/venv/bin/gpunode", ["ProtectHome=yes"]),
+        ("/home/ops/.local/bin/gpunode", ["ProtectHome=yes"]),
+        ("/tmp/checkout/.venv/bin/gpunode", ["PrivateTmp=yes"]),
+        ("/tmpfoo/bin/gpunode", []),
+    ],
+)
+def test_hardening_that_would_hide_the_program_is_turned_off(
+    tmp_path: Path, executable: str, off: list[str]
+) -> None:
+    text = service.render_unit(executable)
+    for option in ("ProtectHome=yes", "PrivateTmp=yes"):
+        assert (f"\n{option}\n" in text) == (option not in off), option
+    plan = service.plan_install(node(tmp_path), config_file=None, start=True, executable=executable)
+    assert [n.split(" ")[0] for n in plan.notes] == off
