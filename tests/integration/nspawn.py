@@ -25,6 +25,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 SYSTEMD = "/usr/lib/systemd/systemd"
+REPO = Path(__file__).resolve().parents[2]
 # Boot is ~1 s on a quiet machine; the shared 2-core test machines are anything but quiet.
 BOOT_TIMEOUT = 60.0
 STOP_TIMEOUT = 30.0
@@ -130,6 +132,31 @@ def missing_prerequisites() -> list[str]:
     if os.geteuid() != 0:
         missing.append("systemd-nspawn needs root")
     return missing
+
+
+def checkout_binds(lacking: Sequence[str] = ()) -> list[Bind]:
+    """Binds that let the container run this checkout's gpunode from its venv, at the same paths.
+
+    `lacking` adds what the caller's own test needs and does not have. Anything missing fails the test
+    under CI (the test bed must have it) and skips it elsewhere.
+    """
+    import pytest  # test-only module: pytest is there whenever this runs
+
+    gpunode = Path(sys.executable).parent / "gpunode"
+    problems = missing_prerequisites() + list(lacking)
+    if not os.access(gpunode, os.X_OK):
+        problems.append(f"{gpunode} is not installed")
+    if not os.path.realpath(sys.executable).startswith("/usr/"):
+        problems.append(f"the venv's python ({os.path.realpath(sys.executable)}) is not from the host's /usr")
+    if problems:
+        what = "; ".join(problems)
+        if os.environ.get("CI"):
+            pytest.fail(f"{what}, and CI must run the real-systemd tests (see the test-bed packages)")
+        pytest.skip(f"{what} (CI fails instead of skipping)")
+    binds = [Bind(REPO, str(REPO))]
+    if not Path(sys.prefix).resolve().is_relative_to(REPO):
+        binds.append(Bind(Path(sys.prefix), sys.prefix))
+    return binds
 
 
 @contextlib.contextmanager

@@ -16,7 +16,6 @@ must not silently stop running there.
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -67,27 +66,10 @@ class Bed:
     socket_dir: Path  # the host's view of SOCKET_DIR
 
 
-def missing(what: str) -> None:
-    if os.environ.get("CI"):
-        pytest.fail(f"{what}, and CI must run the real-systemd tests (see the test-bed packages)")
-    pytest.skip(f"{what} (CI fails instead of skipping)")
-
-
 def prerequisites() -> list[nspawn.Bind]:
-    """What the container needs bound in to run this checkout's gpunode; fails or skips when impossible."""
-    lacking = nspawn.missing_prerequisites()
-    if shutil.which("gcc") is None:
-        lacking.append("gcc is not installed (it builds the fake libnvidia-ml.so.1)")
-    if not os.access(GPUNODE, os.X_OK):
-        lacking.append(f"{GPUNODE} is not installed")
-    if not os.path.realpath(sys.executable).startswith("/usr/"):
-        lacking.append(f"the venv's python ({os.path.realpath(sys.executable)}) is not from the host's /usr")
-    if lacking:
-        missing("; ".join(lacking))
-    binds = [nspawn.Bind(REPO, str(REPO))]
-    if not Path(sys.prefix).resolve().is_relative_to(REPO):
-        binds.append(nspawn.Bind(Path(sys.prefix), sys.prefix))
-    return binds
+    return nspawn.checkout_binds(
+        ["gcc is not installed (it builds the fake libnvidia-ml.so.1)"] if shutil.which("gcc") is None else []
+    )
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ missing one is a failure: these checks must not silently stop running there.
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -36,26 +35,10 @@ FAIL_WITH_NVIDIA = (
 )
 
 
-def missing(what: str) -> None:
-    if os.environ.get("CI"):
-        pytest.fail(f"{what}, and CI must run the real-systemd tests (see the test-bed packages)")
-    pytest.skip(f"{what} (CI fails instead of skipping)")
-
-
 def prerequisites() -> list[nspawn.Bind]:
-    """What the container needs bound in to run this checkout's gpunode; fails or skips when impossible."""
-    lacking = nspawn.missing_prerequisites()
-    lacking += [f"{p} is not installed" for p in ("containerd", "ctr") if shutil.which(p) is None]
-    if not os.access(GPUNODE, os.X_OK):
-        lacking.append(f"{GPUNODE} is not installed")
-    if not os.path.realpath(sys.executable).startswith("/usr/"):
-        lacking.append(f"the venv's python ({os.path.realpath(sys.executable)}) is not from the host's /usr")
-    if lacking:
-        missing("; ".join(lacking))
-    binds = [nspawn.Bind(REPO, str(REPO))]
-    if not Path(sys.prefix).resolve().is_relative_to(REPO):
-        binds.append(nspawn.Bind(Path(sys.prefix), sys.prefix))
-    return binds
+    return nspawn.checkout_binds(
+        [f"{p} is not installed" for p in ("containerd", "ctr") if shutil.which(p) is None]
+    )
 
 
 @pytest.fixture
