@@ -221,7 +221,11 @@ class DeviceRegistry:
     of each resource whose devices changed and wake every waiter at once.
     """
 
-    def __init__(self, resources: Iterable[Resource] = ()) -> None:
+    def __init__(
+        self, resources: Iterable[Resource] = (), on_health_change: Callable[[], object] | None = None
+    ) -> None:
+        """`on_health_change` is called (outside the lock) after a mark changed something."""
+        self.on_health_change = on_health_change
         self._states: dict[str, _ResourceState] = {}
         self._unhealthy: dict[Unit, str] = {}
         self._cond = threading.Condition()
@@ -270,7 +274,9 @@ class DeviceRegistry:
                 if any(_covers(unit, d.unit) for d in state.resource.devices):
                     state.version += 1
             self._cond.notify_all()
-            return True
+        if self.on_health_change is not None:
+            self.on_health_change()
+        return True
 
     def close(self) -> None:
         """Wake every waiter for good: the plugin is stopping."""

@@ -115,7 +115,8 @@ class Plugin:
         self.on_status = on_status
         self._heartbeat = heartbeat
         self.config: PluginConfig = load_config()
-        self.registry = DeviceRegistry()
+        # Health changes reach the status (STATUS=, the status file) through the event loop too.
+        self.registry = DeviceRegistry(on_health_change=lambda: self._events.put(("health", None)))
         self.status = PluginStatus()
         self._events: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._served: dict[str, _Served] = {}
@@ -164,6 +165,9 @@ class Plugin:
                 if kind == "stop":
                     log.info("stopping")
                     return
+                if kind == "health":
+                    self._update_status(self.status.waiting_for)
+                    continue
                 if kind == "reload":
                     self._reload()
                 elif kind == "rediscover":

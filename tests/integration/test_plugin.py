@@ -172,6 +172,11 @@ def test_xid_makes_the_gpu_unhealthy_then_it_recovers(kubelet: FakeKubelet, sock
         after = kubelet.wait_for_devices(GPU, lambda d: any(x.health == UNHEALTHY for x in d))
         bad = {d.id for d in after if d.health == UNHEALTHY}
         assert bad == {f"{uuid1}::0", f"{uuid1}::1"}  # both replicas of GPU 1, nothing else
+        # `gpunode plugin status` reads the same, without waiting for another event.
+        deadline = time.monotonic() + 30
+        while json.loads(plugin.status_path.read_text())["resources"][0]["healthy"] != 6:
+            assert time.monotonic() < deadline, plugin.status_path.read_text()
+            time.sleep(0.02)
         import grpc
 
         with pytest.raises(grpc.RpcError) as err:
