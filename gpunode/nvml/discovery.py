@@ -58,7 +58,7 @@ _MIG_PROFILE = re.compile(r"\b(\d+g\.\d+gb)\b")
 
 # NVML's init/shutdown are reference counted and its library handle is process-wide; serialise
 # sessions so a health thread and a re-discovery never interleave init and shutdown.
-_session_lock = threading.RLock()
+session_lock = threading.RLock()
 
 
 class _Lost(Exception):
@@ -106,7 +106,7 @@ def nvml_session() -> Iterator[Any]:
     """Initialise NVML for the duration of the block and yield the pynvml module."""
     import pynvml
 
-    with _session_lock:
+    with session_lock:
         try:
             pynvml.nvmlInit()
         except pynvml.NVMLError as exc:

@@ -56,7 +56,6 @@ class Option:
     env: str
     flag: str
     parse: Callable[[Any, str], Any]  # (raw value, where it came from) -> value; raises ConfigError
-    help: str
 
 
 def _where(origin: str, key: str) -> str:
@@ -157,43 +156,36 @@ def _cdi_kind(value: Any, where: str) -> str:
 
 
 OPTIONS: tuple[Option, ...] = (
-    Option("resource_name", "resource-name", "GPUNODE_RESOURCE_NAME", "--resource-name", _resource_name,
-           "extended resource to advertise"),
+    Option("resource_name", "resource-name", "GPUNODE_RESOURCE_NAME", "--resource-name", _resource_name),
     Option("mig_strategy", "mig-strategy", "GPUNODE_MIG_STRATEGY", "--mig-strategy",
-           _str_choice(MIG_STRATEGIES), "none | single | mixed"),
+           _str_choice(MIG_STRATEGIES)),
     Option("device_list_strategy", "device-list-strategy", "GPUNODE_DEVICE_LIST_STRATEGY",
-           "--device-list-strategy", _strategies, "envvar, volume-mounts, cdi-cri, cdi-annotations"),
+           "--device-list-strategy", _strategies),
     Option("device_id_strategy", "device-id-strategy", "GPUNODE_DEVICE_ID_STRATEGY", "--device-id-strategy",
-           _str_choice(DEVICE_ID_STRATEGIES), "uuid | index"),
+           _str_choice(DEVICE_ID_STRATEGIES)),
     Option("pass_device_specs", "pass-device-specs", "GPUNODE_PASS_DEVICE_SPECS", "--pass-device-specs",
-           _bool, "also pass /dev/nvidia* device specs"),
+           _bool),
     Option("pre_start_required", "pre-start-required", "GPUNODE_PRE_START_REQUIRED", "--pre-start-required",
-           _bool, "ask kubelet to call PreStartContainer"),
+           _bool),
     Option("fail_on_init_error", "fail-on-init-error", "GPUNODE_FAIL_ON_INIT_ERROR", "--fail-on-init-error",
-           _bool, "exit when NVML fails at start"),
-    Option("driver_root", "driver-root", "GPUNODE_DRIVER_ROOT", "--driver-root", _absolute_path,
-           "where the driver's files are"),
-    Option("socket_dir", "socket-dir", "GPUNODE_SOCKET_DIR", "--socket-dir", _absolute_path,
-           "kubelet's device-plugins directory"),
-    Option("cdi_kind", "cdi-kind", "GPUNODE_CDI_KIND", "--cdi-kind", _cdi_kind, "CDI vendor/class"),
-    Option("replicas", "time-slicing.replicas", "GPUNODE_REPLICAS", "--replicas", _positive_int,
-           "time-slicing replicas per GPU"),
+           _bool),
+    Option("driver_root", "driver-root", "GPUNODE_DRIVER_ROOT", "--driver-root", _absolute_path),
+    Option("socket_dir", "socket-dir", "GPUNODE_SOCKET_DIR", "--socket-dir", _absolute_path),
+    Option("cdi_kind", "cdi-kind", "GPUNODE_CDI_KIND", "--cdi-kind", _cdi_kind),
+    Option("replicas", "time-slicing.replicas", "GPUNODE_REPLICAS", "--replicas", _positive_int),
     Option("rename_by_default", "time-slicing.rename-by-default", "GPUNODE_RENAME_BY_DEFAULT",
-           "--rename-by-default", _bool, "advertise shared GPUs as <resource>.shared"),
+           "--rename-by-default", _bool),
     Option("fail_requests_greater_than_one", "time-slicing.fail-requests-greater-than-one",
-           "GPUNODE_FAIL_REQUESTS_GREATER_THAN_ONE", "--fail-requests-greater-than-one", _bool,
-           "refuse requests for more than one shared GPU"),
-    Option("placement", "time-slicing.placement", "GPUNODE_PLACEMENT", "--placement", _str_choice(PLACEMENTS),
-           "spread | packed"),
-    Option("health.enabled", "health.enabled", "GPUNODE_HEALTH_ENABLED", "--health-checks", _bool,
-           "watch NVML events"),
+           "GPUNODE_FAIL_REQUESTS_GREATER_THAN_ONE", "--fail-requests-greater-than-one", _bool),
+    Option("placement", "time-slicing.placement", "GPUNODE_PLACEMENT", "--placement",
+           _str_choice(PLACEMENTS)),
+    Option("health.enabled", "health.enabled", "GPUNODE_HEALTH_ENABLED", "--health-checks", _bool),
     Option("health.ignored_xids", "health.ignored-xids", "GPUNODE_HEALTH_IGNORED_XIDS", "--ignored-xids",
-           _xids, "Xids that do not make a GPU unhealthy"),
+           _xids),
     Option("health.critical_xids", "health.critical-xids", "GPUNODE_HEALTH_CRITICAL_XIDS", "--critical-xids",
-           _xids, "Xids that always make a GPU unhealthy"),
+           _xids),
     Option("health.recovery_quiet_period", "health.recovery-quiet-period",
-           "GPUNODE_HEALTH_RECOVERY_QUIET_PERIOD", "--recovery-quiet-period", _seconds,
-           "seconds a GPU must be fine before it is healthy again"),
+           "GPUNODE_HEALTH_RECOVERY_QUIET_PERIOD", "--recovery-quiet-period", _seconds),
 )  # fmt: skip
 
 _BY_KEY = {o.key: o for o in OPTIONS}

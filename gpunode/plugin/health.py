@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from gpunode.errors import ConfigError
-from gpunode.nvml.discovery import FUNCTION_NOT_FOUND, GPU_IS_LOST, NOT_SUPPORTED, _session_lock
+from gpunode.nvml.discovery import FUNCTION_NOT_FOUND, GPU_IS_LOST, NOT_SUPPORTED, session_lock
 from gpunode.nvml.model import Gpu, MigDevice
 from gpunode.plugin.devices import DeviceRegistry, Unit
 
@@ -353,7 +353,7 @@ class HealthMonitor:
         finally:
             self._disarm()
             if self._initialised:
-                with _session_lock, suppress(pynvml.NVMLError):
+                with session_lock, suppress(pynvml.NVMLError):
                     pynvml.nvmlShutdown()
                 self._initialised = False
             self._log.info("GPU health checks stopped")
@@ -373,7 +373,7 @@ class HealthMonitor:
         if not self._initialised:
             try:
                 # The lock keeps this init from interleaving with a discovery's init/shutdown.
-                with _session_lock:
+                with session_lock:
                     nvml.nvmlInit()
             except nvml.NVMLError as exc:
                 self._log.warning("NVML initialisation for health checks failed: %s", exc)
