@@ -578,11 +578,13 @@ class HealthMonitor:
 
     def _mark_bad(self, unit: Unit, reason: str, now: float) -> None:
         trouble = self._troubles.get(unit)
-        changed = self._registry.mark(unit, reason)
         if trouble is None:
-            self._troubles[unit] = _Trouble(reason, now, now + self._recheck_interval())
+            # The log line first: whoever sees the device unhealthy (kubelet, a test) finds the reason logged.
             self._log.warning("%s unhealthy: %s", self._unit_label(unit), reason)
+            self._troubles[unit] = _Trouble(reason, now, now + self._recheck_interval())
+            self._registry.mark(unit, reason)
             return
+        changed = self._registry.mark(unit, reason)
         trouble.since = now
         trouble.next_check = now + self._recheck_interval()
         if changed or trouble.reason != reason:
@@ -647,13 +649,13 @@ class HealthMonitor:
                     self._disarm()  # the next loop arms a new set, with every GPU on it
                     return
             del self._troubles[unit]
-            self._registry.mark(unit, None)
             self._log.info(
                 "%s healthy again: NVML has reported it fine for %gs since %s",
                 self._unit_label(unit),
                 quiet,
                 trouble.reason,
             )
+            self._registry.mark(unit, None)
 
     def _probe_unit(self, watched: _Watched, unit: Unit) -> Exception | None:
         failure = self._probe(watched.uuid)
