@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from gpunode import paths
+from gpunode.distribution import SUPPORTED_TEXT, read_distribution
 from gpunode.doctor.model import Finding, Status
-from gpunode.errors import CommandFailed, GpunodeError, NvmlError
+from gpunode.errors import CommandFailed, GpunodeError, NotFound, NvmlError
 from gpunode.host import Host
 from gpunode.kubelet import kubelet_runtime
 from gpunode.nvml.model import Gpu, Inventory
@@ -23,32 +24,6 @@ from gpunode.services import service_states
 VERSION_TIMEOUT = 5.0
 GIB = 1024**3
 
-SUPPORTED_DISTRIBUTIONS: dict[str, str] = {
-    "ubuntu": "Ubuntu 20.04, 22.04, 24.04",
-    "debian": "Debian 11, 12, 13",
-    "rhel": "RHEL 8, 9, 10",
-    "rocky": "Rocky Linux 8, 9, 10",
-    "almalinux": "AlmaLinux 8, 9, 10",
-    "centos": "CentOS Stream 8, 9, 10",
-    "fedora": "Fedora",
-    "amzn": "Amazon Linux 2, 2023",
-    "sles": "SLES 15",
-    "opensuse-leap": "openSUSE Leap 15",
-}
-
-# The oldest release of each that NVIDIA still publishes nvidia-container-toolkit for (major version).
-MINIMUM_MAJOR: dict[str, int] = {
-    "ubuntu": 20,
-    "debian": 11,
-    "rhel": 8,
-    "rocky": 8,
-    "almalinux": 8,
-    "centos": 8,
-    "amzn": 2,
-    "sles": 15,
-    "opensuse-leap": 15,
-}
-OS_RELEASE_FILES = ("/etc/os-release", "/usr/lib/os-release")
 
 # (name shown, binary, systemd unit)
 RUNTIMES: tuple[tuple[str, str, str], ...] = (
@@ -115,61 +90,34 @@ def check_os(ctx: Context) -> Iterable[Finding]:
 
 
 def _distribution_finding(host: Host) -> Finding:
-    import distro
-
-    supported = "gpunode supports: " + "; ".join(SUPPORTED_DISTRIBUTIONS.values())
-    release = next((p for p in OS_RELEASE_FILES if host.exists(p)), None)
-    if release is None:
-        return Finding(
-            "os.distribution", Status.WARN, "distribution unknown (no os-release file)", fix=supported
-        )
     try:
-        host.read_text(release)  # the clear error (permission, not UTF-8, ...) before distro's own parse
-        # distro reads the file itself: give it the path resolved under the root, never this machine's.
-        info = distro.LinuxDistribution(
-            include_lsb=False,
-            include_uname=False,
-            root_dir=str(host.root),
-            os_release_file=str(host.path(release)),
+        dist = read_distribution(host)
+    except NotFound:
+        return Finding(
+            "os.distribution", Status.WARN, "distribution unknown (no os-release file)", fix=SUPPORTED_TEXT
         )
-        dist_id, version, name, like = info.id(), info.version(), info.name(pretty=True), info.like().split()
     except GpunodeError as exc:
         return Finding(
-            "os.distribution", Status.WARN, "distribution unknown", detail=exc.message, fix=supported
+            "os.distribution", Status.WARN, "distribution unknown", detail=exc.message, fix=SUPPORTED_TEXT
         )
-    except (OSError, UnicodeError, ValueError) as exc:
-        return Finding(
-            "os.distribution", Status.WARN, "distribution unknown", detail=f"{release}: {exc}", fix=supported
-        )
-    label = name if name and version and version in name else f"{name or dist_id} {version}".strip()
-    family = (
-        dist_id
-        if dist_id in SUPPORTED_DISTRIBUTIONS
-        else next((x for x in like if x in ("debian", "ubuntu", "rhel", "fedora", "suse")), None)
-    )
-    if not dist_id and not family:
-        return Finding(
-            "os.distribution", Status.WARN, f"distribution unknown ({release} names none)", fix=supported
-        )
-    if family is None:
+    label = dist.pretty or dist.id
+    if dist.family is None:
         return Finding(
             "os.distribution",
             Status.WARN,
             f"{label} is not a distribution gpunode supports",
             detail="NVIDIA publishes nvidia-container-toolkit packages for apt, dnf and zypper systems only.",
-            fix=supported,
+            fix=SUPPORTED_TEXT,
         )
-    minimum = MINIMUM_MAJOR.get(dist_id)
-    major = version.split(".", 1)[0]
-    if minimum is not None and major.isdigit() and int(major) < minimum:
+    if dist.too_old:
         return Finding(
             "os.distribution",
             Status.WARN,
             f"{label} is older than gpunode supports",
             detail="NVIDIA no longer publishes nvidia-container-toolkit for it.",
-            fix=supported,
+            fix=SUPPORTED_TEXT,
         )
-    return Finding("os.distribution", Status.OK, label or dist_id)
+    return Finding("os.distribution", Status.OK, label)
 
 
 # -- driver -------------------------------------------------------------------------------------
@@ -421,9 +369,8 @@ def check_toolkit(ctx: Context) -> Iterable[Finding]:
             Status.FAIL,
             f"nvidia-container-toolkit is not installed ({', '.join(missing)} not found)",
             detail="Without nvidia-container-runtime no container runtime can give a container a GPU.",
-            fix="install it from NVIDIA's repository: see https://docs.nvidia.com/datacenter/cloud-native/"
-            "container-toolkit/latest/install-guide.html (packages nvidia-container-toolkit, "
-            "nvidia-container-toolkit-base, libnvidia-container-tools, libnvidia-container1)",
+            fix="sudo gpunode toolkit install (NVIDIA's signed repository, its key checked; add --dry-run "
+            "to see every file and command first)",
         )
         return
     versions = ", ".join(f"{prog} {ver or 'version unknown'}" for prog, (_, ver) in found.items())

@@ -282,7 +282,7 @@ def test_table_output(node: Node, fake_nvml: Callable[..., None], capsys: pytest
     out = capsys.readouterr().out
     assert code == ExitCode.UNHEALTHY
     assert "gpu.3" in out and "NVIDIA L4" in out
-    assert "fix: install it from NVIDIA's repository" in out
+    assert "fix: sudo gpunode toolkit install" in out
     assert "node is NOT ready for GPU workloads" in out
 
 
