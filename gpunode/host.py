@@ -7,6 +7,7 @@ exception: it is the process's own shared library, not a file under the root.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import fcntl
@@ -14,6 +15,7 @@ import os
 import stat
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -25,6 +27,7 @@ from gpunode.errors import CommandFailed, ConfigError, NotFound, PermissionDenie
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 DEFAULT_TIMEOUT = 10.0
 MAX_READ = 8 * 2**20  # far above any configuration file gpunode reads
+STREAM_KEEP = 200  # lines of a streamed command's output kept for its error message
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,58 @@ class SubprocessRunner:
                 f"`{' '.join(argv)}` did not finish within {timeout:g} s and was stopped",
             ) from exc
         return CommandResult(tuple(argv), proc.returncode, proc.stdout, proc.stderr, time.monotonic() - start)
+
+    def stream(
+        self,
+        argv: Sequence[str],
+        *,
+        timeout: float,
+        on_line: Callable[[str], None],
+        env: Mapping[str, str] | None = None,
+    ) -> CommandResult:
+        """Run a long command, handing each line of its output (stdout and stderr merged, as a terminal
+        shows them) to `on_line` as it comes. The result's stdout holds the last STREAM_KEEP lines."""
+        start = time.monotonic()
+        full_env = None if env is None else {**os.environ, **env}
+        try:
+            proc = subprocess.Popen(
+                list(argv),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=full_env,
+                text=True,
+                errors="replace",
+            )
+        except FileNotFoundError as exc:
+            raise CommandFailed(f"`{argv[0]}` is not installed (not found on PATH)") from exc
+        except PermissionError as exc:
+            raise CommandFailed(f"`{argv[0]}` cannot be executed: permission denied") from exc
+        expired = threading.Event()
+
+        def expire() -> None:
+            expired.set()
+            proc.kill()
+
+        timer = threading.Timer(timeout, expire)
+        timer.daemon = True
+        timer.start()
+        kept: collections.deque[str] = collections.deque(maxlen=STREAM_KEEP)
+        try:
+            assert proc.stdout is not None  # noqa: S101 (stdout=PIPE above)
+            for raw in proc.stdout:
+                line = raw.rstrip("\n")
+                kept.append(line)
+                on_line(line)
+            returncode = proc.wait()
+        finally:
+            timer.cancel()
+            if proc.poll() is None:  # interrupted (Ctrl-C): do not leave it running unseen
+                proc.kill()
+                proc.wait()
+        if expired.is_set():
+            raise CommandFailed(f"`{' '.join(argv)}` did not finish within {timeout:g} s and was stopped")
+        return CommandResult(tuple(argv), returncode, "\n".join(kept), "", time.monotonic() - start)
 
 
 @dataclass
@@ -307,6 +362,25 @@ class Host:
     ) -> CommandResult:
         """Run a command (argument list). Non-zero exit is returned, not raised: call .check()."""
         return self.runner.run(argv, timeout=timeout, env=env, input=input)
+
+    def stream(
+        self,
+        argv: Sequence[str],
+        *,
+        timeout: float,
+        on_line: Callable[[str], None],
+        env: Mapping[str, str] | None = None,
+    ) -> CommandResult:
+        """Run a long command (a package manager), showing its output as it comes. Runners that cannot
+        stream (the scripted ones of tests and dry runs) run it whole and replay the lines."""
+        stream = getattr(self.runner, "stream", None)
+        if stream is not None:
+            result: CommandResult = stream(argv, timeout=timeout, on_line=on_line, env=env)
+            return result
+        result = self.runner.run(argv, timeout=timeout, env=env)
+        for line in (result.stdout + result.stderr).splitlines():
+            on_line(line)
+        return result
 
     # -- writing -------------------------------------------------------------------------------
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import stat
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -234,3 +235,27 @@ def test_temp_file_goes_to_temp_dir_and_stale_temps_are_removed(
     assert used == [str(tmp_path / "etc/crio")]
     assert sorted(p.name for p in dropins.iterdir()) == ["99-nvidia.toml"]
     assert not list((tmp_path / "etc/crio").glob(".*gpunode-tmp"))
+
+
+def test_stream_hands_over_each_line_as_it_comes_and_keeps_the_tail() -> None:
+    host = Host(runner=SubprocessRunner())
+    seen: list[tuple[float, str]] = []
+    script = "echo one; echo two >&2; sleep 0.3; echo three; exit 3"
+    result = host.stream(
+        ["sh", "-c", script], timeout=30, on_line=lambda line: seen.append((time.monotonic(), line))
+    )
+    assert [line for _, line in seen] == ["one", "two", "three"]  # stderr merged, in order
+    assert seen[2][0] - seen[0][0] >= 0.25  # "one" arrived before the command ended
+    assert result.returncode == 3 and result.stdout == "one\ntwo\nthree"
+    with pytest.raises(CommandFailed, match="did not finish within 0.5 s"):
+        host.stream(["sleep", "30"], timeout=0.5, on_line=lambda line: None)
+    with pytest.raises(CommandFailed, match="is not installed"):
+        host.stream(["no-such-program-gpunode"], timeout=5, on_line=lambda line: None)
+
+
+def test_stream_replays_a_scripted_runners_output() -> None:
+    runner = ScriptedRunner()
+    runner.answer(["apt-get", "update"], stdout="Hit:1 x\nDone\n", returncode=0)
+    lines: list[str] = []
+    result = Host(runner=runner).stream(["apt-get", "update"], timeout=5, on_line=lines.append)
+    assert lines == ["Hit:1 x", "Done"] and result.ok
