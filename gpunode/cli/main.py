@@ -68,11 +68,12 @@ def state(ctx: typer.Context) -> AppState:
 
 
 def _register_commands() -> None:
-    from gpunode.cli import doctor, plugin, runtime
+    from gpunode.cli import doctor, plugin, runtime, toolkit
 
     app.command("doctor")(doctor.doctor)
     app.command("configure-runtime")(runtime.configure_runtime)
     app.add_typer(plugin.app, name="plugin")
+    app.add_typer(toolkit.app, name="toolkit")
 
 
 _register_commands()

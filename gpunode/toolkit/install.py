@@ -1,0 +1,435 @@
+"""Install, remove and inspect nvidia-container-toolkit: detect → plan → apply → verify.
+
+`plan_install` reads the host (distribution, installed versions, the files there now), gets and checks the
+signing key, and returns every file to write and every command to run; `--dry-run` prints that and stops.
+`apply_install` writes the repository files atomically, runs the package manager with its output streamed,
+checks the installed versions, and records what it wrote so that `uninstall` takes back exactly that. A
+failed step rolls back the files written before it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpunode.distribution import Distribution, read_distribution, require_family
+from gpunode.errors import CommandFailed, ConfigError, GpunodeError, PermissionDenied
+from gpunode.host import CommandResult, Host
+from gpunode.runtimes.records import STATE_DIR, backup_path, sha256
+from gpunode.toolkit import keys, managers
+from gpunode.toolkit.managers import PACKAGES, Command, PackageManager, RepoFile
+
+RECORD_PATH = f"{STATE_DIR}/toolkit.json"
+LOCK = f"{STATE_DIR}/toolkit.lock"
+FAILURE_TAIL = 15  # lines of a failed command's output in the error
+
+
+@dataclass(frozen=True)
+class InstallOptions:
+    version: str | None = None  # as the operator typed it: "1.17.8" or "1.17.8-1"
+    repo_url: str = managers.DEFAULT_REPO_URL
+    key_file: str | None = None
+    key_fingerprint: str | None = None
+    experimental: bool = False
+
+
+@dataclass(frozen=True)
+class PlannedFile:
+    file: RepoFile
+    before: bytes | None  # None: the file does not exist
+
+    @property
+    def changed(self) -> bool:
+        return self.before != self.file.content
+
+
+@dataclass(frozen=True)
+class ToolkitPlan:
+    distribution: Distribution
+    manager: PackageManager
+    installed: Mapping[str, str | None]
+    wanted: str | None  # the package version to pin, e.g. "1.17.8-1"
+    files: tuple[PlannedFile, ...] = ()
+    commands: tuple[Command, ...] = ()
+    remove: tuple[str, ...] = ()  # files to delete (uninstall)
+    restore: tuple[tuple[str, str], ...] = ()  # (file, its backup) to put back (uninstall)
+    notes: tuple[str, ...] = ()
+    key: keys.PublicKey | None = None
+    repo_url: str = managers.DEFAULT_REPO_URL
+
+    @property
+    def changes_nothing(self) -> bool:
+        return (
+            not self.commands
+            and not self.remove
+            and not self.restore
+            and not any(f.changed for f in self.files)
+        )
+
+
+@dataclass
+class Progress:
+    """Callbacks the CLI renders: a step starting, each line of a command's output."""
+
+    step: Callable[[int, int, str], None] = lambda n, total, what: None
+    line: Callable[[str], None] = lambda line: None
+
+
+@dataclass
+class Outcome:
+    written: list[str] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+    restored: list[str] = field(default_factory=list)
+    installed: dict[str, str | None] = field(default_factory=dict)
+
+
+# -- detect ----------------------------------------------------------------------------------------
+
+
+def detect(host: Host) -> tuple[Distribution, PackageManager]:
+    dist = read_distribution(host)
+    return dist, managers.choose(host, dist, require_family(dist))
+
+
+def consistent_version(installed: Mapping[str, str | None]) -> str | None:
+    """The one version all four packages are at; None when one is missing or they differ."""
+    versions = set(installed.values())
+    if len(versions) == 1:
+        return next(iter(versions))
+    return None
+
+
+def satisfied(installed: Mapping[str, str | None], wanted: str | None) -> bool:
+    have = consistent_version(installed)
+    return have is not None and (wanted is None or have == wanted)
+
+
+# -- plan ------------------------------------------------------------------------------------------
+
+
+def plan_install(
+    host: Host,
+    opts: InstallOptions,
+    *,
+    fetch: Callable[[str], bytes] = keys.fetch_key,
+) -> ToolkitPlan:
+    wanted = managers.package_version(opts.version) if opts.version else None
+    expected = (keys.normalize_fingerprint(opts.key_fingerprint),) if opts.key_fingerprint else None
+    repo_url = _repo_url(opts.repo_url)
+    dist, manager = detect(host)
+    installed = manager.installed(host)
+    if satisfied(installed, wanted):
+        return ToolkitPlan(dist, manager, installed, wanted, repo_url=repo_url)
+    conflicts = manager.conflicting_sources(host, repo_url)
+    if conflicts:
+        raise ConfigError(
+            f"{', '.join(conflicts)} already list{'s' if len(conflicts) == 1 else ''} NVIDIA's repository "
+            f"({repo_url}); apt refuses a source listed twice with different keys",
+            f"remove {' and '.join(conflicts)} (gpunode writes its own {managers.APT_LIST}), "
+            "then run this again",
+        )
+    source = opts.key_file or f"{repo_url}/gpgkey"
+    data = keys.read_key_file(opts.key_file) if opts.key_file else fetch(source)
+    key = keys.parse_key(data, source)
+    keys.check_trusted(key, expected or keys.NVIDIA_FINGERPRINTS, custom=expected is not None)
+    files = tuple(
+        PlannedFile(f, host.read_bytes(f.path)) for f in manager.repo_files(repo_url, key, opts.experimental)
+    )
+    notes = []
+    have = {p: v for p, v in installed.items() if v}
+    if have:
+        notes.append("installed now: " + ", ".join(f"{p} {v}" for p, v in have.items()))
+    if wanted is None:
+        notes.append("no --version given: the newest version in the repository is installed")
+    commands = (manager.refresh(opts.experimental), manager.install(wanted, installed))
+    return ToolkitPlan(
+        dist, manager, installed, wanted, files, commands, notes=tuple(notes), key=key, repo_url=repo_url
+    )
+
+
+def _repo_url(url: str) -> str:
+    value = url.strip().rstrip("/")
+    if not value.startswith(("https://", "http://", "file:/")):
+        raise GpunodeError(
+            f"--repo-url {url!r} is not an http(s):// or file:/ URL",
+            f"give the base of the repository mirror, like {managers.DEFAULT_REPO_URL}",
+        )
+    return value
+
+
+def plan_uninstall(host: Host) -> ToolkitPlan:
+    dist, manager = detect(host)
+    installed = manager.installed(host)
+    record = read_record(host)
+    present = [p for p in PACKAGES if installed.get(p)]
+    commands = (manager.remove(present),) if present else ()
+    remove: list[str] = []
+    restore: list[tuple[str, str]] = []
+    notes: list[str] = []
+    for path, entry in sorted(record.get("files", {}).items()):
+        now = host.read_bytes(path)
+        if now is None:
+            continue
+        if sha256(now) != entry.get("written_sha256"):
+            notes.append(f"{path} changed since gpunode wrote it: left as it is")
+        elif entry.get("created"):
+            remove.append(path)
+        elif entry.get("backup") and host.exists(entry["backup"]):
+            restore.append((path, entry["backup"]))
+    if not record:
+        leftovers = [p for p in manager.owned_paths() if host.exists(p)]
+        if leftovers:
+            notes.append(f"{', '.join(leftovers)} not written by gpunode (no record): left as they are")
+    notes.extend(_runtimes_still_using_it(host))
+    return ToolkitPlan(
+        dist, manager, installed, None, (), commands, tuple(remove), tuple(restore), tuple(notes)
+    )
+
+
+def _runtimes_still_using_it(host: Host) -> list[str]:
+    found = []
+    for runtime, path in (
+        ("docker", "/etc/docker/daemon.json"),
+        ("containerd", "/etc/containerd/config.toml"),
+    ):
+        text = host.read_text_if_exists(path) if host.is_file(path) else None
+        if text and "nvidia-container-runtime" in text:
+            found.append(
+                f"{path} still names nvidia-container-runtime: containers asking for it will fail to start "
+                f"once it is removed (undo with `gpunode configure-runtime {runtime} --revert`)"
+            )
+    return found
+
+
+# -- apply -----------------------------------------------------------------------------------------
+
+
+def apply_install(host: Host, plan: ToolkitPlan, progress: Progress | None = None) -> Outcome:
+    progress = progress or Progress()
+    outcome = Outcome()
+    written: list[PlannedFile] = []
+    total = len(plan.commands) + (1 if any(f.changed for f in plan.files) else 0)
+    step = 0
+    try:
+        if any(f.changed for f in plan.files):
+            step += 1
+            progress.step(step, total, "write the repository files")
+            for planned in plan.files:
+                if not planned.changed:
+                    continue
+                host.write_file(
+                    planned.file.path,
+                    planned.file.content,
+                    mode=planned.file.mode,
+                    backup_to=backup_path(planned.file.path),
+                    make_parents=True,
+                )
+                written.append(planned)
+                outcome.written.append(planned.file.path)
+        for command in plan.commands:
+            step += 1
+            progress.step(step, total, f"{command.title}: {command}")
+            _run(host, command, progress)
+    except BaseException as exc:
+        undone = _roll_back(host, written)
+        if isinstance(exc, GpunodeError) and undone:
+            exc.message += f"\nrolled back: {', '.join(undone)}"
+        elif isinstance(exc, GpunodeError) and plan.files:
+            exc.message += "\nrolled back: nothing to roll back (no file had been changed)"
+        raise
+    outcome.installed = plan.manager.installed(host)
+    if not satisfied(outcome.installed, plan.wanted):
+        got = ", ".join(f"{p} {v or 'not installed'}" for p, v in outcome.installed.items())
+        raise CommandFailed(
+            f"the package manager finished, but the packages are not at "
+            f"{plan.wanted or 'one version'}: {got}",
+            "look for held packages or a pin (apt-mark showhold; dnf versionlock list) and run this again",
+        )
+    _save_record(host, plan, outcome.installed)
+    return outcome
+
+
+def _run(host: Host, command: Command, progress: Progress) -> CommandResult:
+    result = host.stream(command.argv, timeout=command.timeout, env=command.env, on_line=progress.line)
+    if result.returncode != 0:
+        tail = "\n".join(f"  | {line}" for line in result.stdout.strip().splitlines()[-FAILURE_TAIL:])
+        raise CommandFailed(
+            f"{command.title} failed: `{command}` exited with status {result.returncode}"
+            + (f"; its last lines:\n{tail}" if tail else ""),
+            _hint(command, result.stdout),
+        )
+    return result
+
+
+def _hint(command: Command, output: str) -> str:
+    if "NO_PUBKEY" in output or "is not signed" in output or "signatures were invalid" in output:
+        return (
+            "the repository is not signed by the key gpunode installed: check --repo-url, and for a mirror "
+            "signed with its own key give that key (--key-file) and its fingerprint (--key-fingerprint)"
+        )
+    if "Could not resolve" in output or "Failed to fetch" in output or "Cannot download" in output:
+        return "the repository cannot be reached: check the node's network and proxy, or use --repo-url"
+    if (
+        "Unable to locate package" in output
+        or "has no installation candidate" in output
+        or "No match" in output
+    ):
+        return "the repository has no such package or version: check --version (`gpunode toolkit status`)"
+    if "Could not get lock" in output or "is locked" in output:
+        return "another package manager is running: wait for it to finish, then run this again"
+    return f"read the output above, fix the cause, and run this again (the command: {command})"
+
+
+def _roll_back(host: Host, written: list[PlannedFile]) -> list[str]:
+    undone = []
+    for planned in reversed(written):
+        try:
+            if planned.before is None:
+                host.remove_file(planned.file.path)
+                undone.append(f"removed {planned.file.path}")
+            else:
+                host.write_file(planned.file.path, planned.before)
+                undone.append(f"restored {planned.file.path}")
+        except GpunodeError:
+            undone.append(
+                f"COULD NOT restore {planned.file.path} (its original is in {backup_path(planned.file.path)})"
+            )
+    return undone
+
+
+def apply_uninstall(host: Host, plan: ToolkitPlan, progress: Progress | None = None) -> Outcome:
+    progress = progress or Progress()
+    outcome = Outcome()
+    total = len(plan.commands) + (1 if plan.remove or plan.restore else 0)
+    step = 0
+    for command in plan.commands:
+        step += 1
+        progress.step(step, total, f"{command.title}: {command}")
+        _run(host, command, progress)
+    if plan.remove or plan.restore:
+        progress.step(step + 1, total, "remove the repository files")
+        for path in plan.remove:
+            if host.remove_file(path):
+                outcome.removed.append(path)
+        for path, backup in plan.restore:
+            original = host.read_bytes(backup)
+            if original is not None:
+                host.write_file(path, original)
+                outcome.restored.append(path)
+    host.remove_file(RECORD_PATH)
+    outcome.installed = plan.manager.installed(host)
+    return outcome
+
+
+# -- the record ------------------------------------------------------------------------------------
+
+
+def read_record(host: Host) -> dict[str, Any]:
+    text = host.read_text_if_exists(RECORD_PATH)
+    if text is None:
+        return {}
+    try:
+        loaded = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(
+            f"{RECORD_PATH} is not valid JSON ({exc.msg}, line {exc.lineno})",
+            "restore it from a backup, or delete it (gpunode then no longer removes the repository files)",
+        ) from exc
+    if not isinstance(loaded, dict) or not isinstance(loaded.get("files", {}), dict):
+        raise ConfigError(f"{RECORD_PATH} is not a gpunode toolkit record", f"delete {RECORD_PATH}")
+    return loaded
+
+
+def _save_record(host: Host, plan: ToolkitPlan, installed: Mapping[str, str | None]) -> None:
+    record = read_record(host)
+    files: dict[str, Any] = record.get("files", {})
+    for planned in plan.files:
+        earlier = files.get(planned.file.path, {})
+        if not planned.changed and not earlier:
+            continue  # already there exactly so before gpunode: not gpunode's to remove
+        # "created" stays what it was at gpunode's first write: the original state is what uninstall restores.
+        created = earlier.get("created", planned.before is None)
+        files[planned.file.path] = {
+            "created": created,
+            "backup": None if created else backup_path(planned.file.path),
+            "written_sha256": sha256(planned.file.content),
+        }
+    record = {
+        "format": 1,
+        "manager": plan.manager.name,
+        "repo_url": plan.repo_url,
+        "version": consistent_version(installed),
+        "files": files,
+    }
+    host.make_dirs(STATE_DIR)
+    host.write_file(RECORD_PATH, json.dumps(record, indent=2, sort_keys=True) + "\n", mode=0o644)
+
+
+# -- status ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ToolkitStatus:
+    distribution: str
+    manager: str
+    installed: Mapping[str, str | None]
+    version: str | None  # the one version all four are at
+    files: Mapping[str, bool]  # repository files gpunode manages → present
+    key_fingerprints: tuple[str, ...]
+    key_trusted: bool | None  # None: no key file
+    repo_url: str | None
+
+    @property
+    def healthy(self) -> bool:
+        return self.version is not None
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "distribution": self.distribution,
+            "package_manager": self.manager,
+            "packages": dict(self.installed),
+            "version": self.version,
+            "repository_files": dict(self.files),
+            "key_fingerprints": list(self.key_fingerprints),
+            "key_is_nvidias": self.key_trusted,
+            "repo_url": self.repo_url,
+            "healthy": self.healthy,
+        }
+
+
+def status(host: Host) -> ToolkitStatus:
+    dist, manager = detect(host)
+    installed = manager.installed(host)
+    record = read_record(host)
+    files = {p: host.exists(p) for p in manager.owned_paths()}
+    key_path = managers.APT_KEYRING if manager.name == "apt" else managers.RPM_KEY
+    fingerprints: tuple[str, ...] = ()
+    trusted: bool | None = None
+    data = host.read_bytes(key_path) if host.is_file(key_path) else None
+    if data is not None:
+        try:
+            fingerprints = keys.parse_key(data, key_path).fingerprints
+            trusted = all(f in keys.NVIDIA_FINGERPRINTS for f in fingerprints)
+        except GpunodeError:
+            trusted = False
+    repo = record.get("repo_url")
+    return ToolkitStatus(
+        distribution=dist.pretty or dist.id,
+        manager=manager.name,
+        installed=installed,
+        version=consistent_version(installed),
+        files=files,
+        key_fingerprints=fingerprints,
+        key_trusted=trusted,
+        repo_url=repo if isinstance(repo, str) else None,
+    )
+
+
+def require_root(host: Host, what: str) -> None:
+    if host.euid != 0:
+        raise PermissionDenied(
+            f"{what} changes the system's packages and repositories and needs root",
+            f"run it as root (sudo gpunode {what}), or add --dry-run to see the plan",
+        )
