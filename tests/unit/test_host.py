@@ -247,7 +247,7 @@ def test_stream_hands_over_each_line_as_it_comes_and_keeps_the_tail() -> None:
     assert [line for _, line in seen] == ["one", "two", "three"]  # stderr merged, in order
     assert seen[2][0] - seen[0][0] >= 0.25  # "one" arrived before the command ended
     assert result.returncode == 3 and result.stdout == "one\ntwo\nthree"
-    with pytest.raises(CommandFailed, match="did not finish within 0.5 s"):
+    with pytest.raises(CommandFailed, match=r"did not finish within 0\.5 s"):
         host.stream(["sleep", "30"], timeout=0.5, on_line=lambda line: None)
     with pytest.raises(CommandFailed, match="is not installed"):
         host.stream(["no-such-program-gpunode"], timeout=5, on_line=lambda line: None)
