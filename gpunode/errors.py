@@ -21,6 +21,7 @@ class ExitCode(IntEnum):
     NOT_FOUND = 6  # a file, program or device that is needed is missing
     NVML = 7  # the NVIDIA driver / NVML cannot be used
     COMMAND_FAILED = 8  # an external command failed or timed out
+    API = 9  # the Kubernetes API refused or could not be reached
     INTERNAL = 70  # a bug in gpunode (EX_SOFTWARE)
     INTERRUPTED = 130  # Ctrl-C
 
@@ -63,6 +64,12 @@ class CommandFailed(GpunodeError):
     """An external command exited non-zero, could not start, or timed out."""
 
     exit_code = ExitCode.COMMAND_FAILED
+
+
+class ApiError(GpunodeError):
+    """The Kubernetes API refused a request or could not be reached: one sentence saying which."""
+
+    exit_code = ExitCode.API
 
 
 class NvmlError(GpunodeError):

@@ -1,0 +1,688 @@
+"""A small Kubernetes API client for what gpunode does to its Node: read it, patch it, patch its status.
+
+Built on requests (imported here, never at gpunode's import). Every call has a connect and a read timeout.
+Connection failures, 429 and 500/502/503/504 are retried a bounded number of times with exponential
+backoff and jitter (Retry-After honoured); a read timeout is not retried, since a hung server would make
+the user wait the timeout again for each try. Read-modify-write operations (`update_node_status`,
+`update_node`) carry the resourceVersion they read, so a concurrent writer makes the server answer 409,
+and the read, the computation and the write are then done again.
+
+Every failure is an ApiError whose message is one sentence naming what failed and why; the bearer token
+never appears in a message, a log line or a repr.
+"""
+
+from __future__ import annotations
+
+import copy
+import email.utils
+import ipaddress
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import socket
+import ssl
+import tempfile
+import time
+import warnings
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+from urllib.parse import quote, urlsplit
+
+import requests
+import urllib3
+
+from gpunode import __version__
+from gpunode.errors import ApiError, ConfigError, UsageError
+from gpunode.host import Host
+from gpunode.kube.credentials import Credentials, Pem, resolve_credentials
+
+log = logging.getLogger("gpunode.kube")
+
+JSON_PATCH = "application/json-patch+json"
+MERGE_PATCH = "application/merge-patch+json"
+RETRIED_STATUSES = frozenset({429, 500, 502, 503, 504})
+# RFC 1123 subdomain, the rule for node names: also keeps "..", "/" and "?" out of the URL path.
+_NODE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_FORBIDDEN = re.compile(r'User "(?P<user>[^"]*)" cannot (?P<verb>\S+) resource "(?P<resource>[^"]*)"')
+
+JsonPatch = list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Seconds to wait for the TCP/TLS connection, and then for each read of the answer."""
+
+    connect: float = 5.0
+    read: float = 30.0
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """attempts: tries in all for one request (connection errors, 429, 5xx). backoff: the first wait,
+    doubled after each try up to max_backoff, each wait drawn between half and all of it (jitter, so that
+    many nodes do not retry in step). A Retry-After is waited instead, up to max_retry_after.
+    conflict_attempts: read-modify-write rounds before a 409 is given up."""
+
+    attempts: int = 5
+    backoff: float = 0.5
+    max_backoff: float = 8.0
+    max_retry_after: float = 30.0
+    conflict_attempts: int = 5
+
+
+@dataclass(frozen=True)
+class _Op:
+    """What a request does, in RBAC's words, for messages: `patch` `nodes/status` of node `name`."""
+
+    verb: str
+    resource: str
+    name: str
+
+
+class _Retry(Exception):
+    """A transport failure worth another try, and what to say if it was the last one."""
+
+    def __init__(self, message: str, fix: str) -> None:
+        super().__init__(message)
+        self.message = message
+        self.fix = fix
+
+
+class KubeClient:
+    """A session with one API server. Use as a context manager: closing it removes the private copies of
+    inline certificates and keys (requests can only load them from files)."""
+
+    def __init__(
+        self,
+        credentials: Credentials,
+        *,
+        timeouts: Timeouts | None = None,
+        retry: RetryPolicy | None = None,
+        env: Mapping[str, str] | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.credentials = credentials
+        self.server = credentials.server
+        self.timeouts = timeouts or Timeouts()
+        self.retry = retry or RetryPolicy()
+        self._sleep = sleep
+        self._token = credentials.token
+        self._tempdir: str | None = None
+        self._session = requests.Session()
+        self._finalizer = weakref.finalize(self, _cleanup, self._session, None)
+        # requests' environment handling would let ~/.netrc replace our Authorization header and
+        # REQUESTS_CA_BUNDLE replace the cluster's CA; proxies are taken from the environment below instead.
+        self._session.trust_env = False
+        self._session.headers.update({"Accept": "application/json", "User-Agent": f"gpunode/{__version__}"})
+        if credentials.impersonate_user:
+            self._session.headers["Impersonate-User"] = credentials.impersonate_user
+        if credentials.impersonate_groups:
+            (self._session.headers["Impersonate-Group"],) = credentials.impersonate_groups
+        self._verify: str | bool = True
+        self._cert: tuple[str, str] | None = None
+        if not credentials.plain_http:
+            self._setup_tls()
+        self._proxies = _proxies(self.server, credentials.proxy, os.environ if env is None else env)
+
+    @classmethod
+    def from_host(
+        cls,
+        host: Host,
+        *,
+        kubeconfig: str | None = None,
+        context: str | None = None,
+        server: str | None = None,
+        timeouts: Timeouts | None = None,
+        retry: RetryPolicy | None = None,
+    ) -> KubeClient:
+        """Credentials found the way kubectl finds them (gpunode.kube.credentials), env from the host."""
+        credentials = resolve_credentials(host, kubeconfig=kubeconfig, context=context, server=server)
+        return cls(credentials, timeouts=timeouts, retry=retry, env=host.env)
+
+    def __repr__(self) -> str:
+        return f"KubeClient({self.credentials!r})"
+
+    def __enter__(self) -> KubeClient:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._finalizer()
+
+    # -- the API ----------------------------------------------------------------------------------
+
+    def get_node(self, name: str) -> dict[str, Any]:
+        op = _Op("get", "nodes", name)
+        return self._json(self._request("GET", _node_path(name), op), op)
+
+    def patch_node_status(self, name: str, json_patch_ops: JsonPatch) -> dict[str, Any]:
+        """Apply a JSON patch (RFC 6902) to the node's status subresource; the node as it is afterwards."""
+        op = _Op("patch", "nodes/status", name)
+        return self._json(
+            self._request("PATCH", f"{_node_path(name)}/status", op, JSON_PATCH, _dumps(json_patch_ops)), op
+        )
+
+    def patch_node(self, name: str, merge_patch: dict[str, Any]) -> dict[str, Any]:
+        """Apply a JSON merge patch (RFC 7386: null deletes) to the node; the node as it is afterwards."""
+        op = _Op("patch", "nodes", name)
+        return self._json(self._request("PATCH", _node_path(name), op, MERGE_PATCH, _dumps(merge_patch)), op)
+
+    def update_node_status(
+        self, name: str, compute: Callable[[dict[str, Any]], JsonPatch | None]
+    ) -> dict[str, Any]:
+        """Read the node, let `compute` turn it into JSON patch operations for its status (None or [] when
+        there is nothing to change), and send them, guarded by the resourceVersion that was read; when
+        someone else wrote the node in between (409), do it all again with a fresh read."""
+        op = _Op("patch", "nodes/status", name)
+
+        def send(node: dict[str, Any], resource_version: str) -> requests.Response | None:
+            ops = compute(node)
+            if not ops:
+                return None
+            # The resourceVersion read, written back: the server answers 409 when the node has moved on
+            # since. (A `test` op would fail with a 422 that cannot be told from a bad patch.)
+            guarded = [
+                {"op": "replace", "path": "/metadata/resourceVersion", "value": resource_version},
+                *ops,
+            ]
+            return self._request("PATCH", f"{_node_path(name)}/status", op, JSON_PATCH, _dumps(guarded))
+
+        return self._read_modify_write(op, send)
+
+    def update_node(
+        self, name: str, compute: Callable[[dict[str, Any]], dict[str, Any] | None]
+    ) -> dict[str, Any]:
+        """`update_node_status` for a merge patch of the node itself (labels, annotations, taints: a merge
+        patch replaces a whole list, which the resourceVersion guard makes safe)."""
+        op = _Op("patch", "nodes", name)
+
+        def send(node: dict[str, Any], resource_version: str) -> requests.Response | None:
+            patch = compute(node)
+            if not patch:
+                return None
+            metadata = patch.get("metadata")
+            guarded = {**patch, "metadata": {**(metadata if isinstance(metadata, dict) else {})}}
+            guarded["metadata"]["resourceVersion"] = resource_version
+            return self._request("PATCH", _node_path(name), op, MERGE_PATCH, _dumps(guarded))
+
+        return self._read_modify_write(op, send)
+
+    # -- internals --------------------------------------------------------------------------------
+
+    def _read_modify_write(
+        self, op: _Op, send: Callable[[dict[str, Any], str], requests.Response | None]
+    ) -> dict[str, Any]:
+        name = op.name
+        attempts = max(1, self.retry.conflict_attempts)
+        for attempt in range(1, attempts + 1):
+            node = self.get_node(name)
+            # compute() gets its own copy: what it changes in place must not leak into the next round.
+            resource_version = str(node.get("metadata", {}).get("resourceVersion", ""))
+            response = send(copy.deepcopy(node), resource_version)
+            if response is None:
+                return node
+            if response.status_code != 409:
+                return self._json(response, op)
+            log.info(
+                "node %s changed while gpunode updated it (409 Conflict); reading it again (%d of %d)",
+                name,
+                attempt,
+                attempts,
+            )
+        raise ApiError(
+            f'node "{name}" kept changing while gpunode updated it: all {attempts} attempts met a 409 '
+            "Conflict from the Kubernetes API",
+            "another controller is writing this node continuously; find it (`kubectl get node "
+            f"{name} -o yaml --show-managed-fields`) and run gpunode again",
+        )
+
+    def _json(self, response: requests.Response, op: _Op) -> dict[str, Any]:
+        """The object a successful answer carries; any other answer as an ApiError."""
+        if response.status_code >= 300:
+            raise self._status_error(response, op)
+        try:
+            body = response.json()
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            raise ApiError(
+                f"the server at {_redact(response.url)} answered {response.status_code} with something other "
+                "than a Kubernetes object: is it a Kubernetes API server?",
+                f"check the server URL ({self.credentials.source})",
+            )
+        return body
+
+    def _request(
+        self, method: str, path: str, op: _Op, content_type: str | None = None, body: bytes | None = None
+    ) -> requests.Response:
+        """Send one request, retried as the module docstring says. Returns the final answer, whatever its
+        status (_json turns an error status into an ApiError); raises ApiError when there is none."""
+        url = self.server + path
+        attempts = max(1, self.retry.attempts)
+        reloaded_token = False
+        attempt = 0
+        while True:
+            attempt += 1
+            wait: float | None = None
+            try:
+                response = self._send_once(method, url, content_type, body)
+            except _Retry as failure:
+                if attempt >= attempts:
+                    times = "" if attempts == 1 else f" (tried {attempts} times)"
+                    raise ApiError(failure.message + times, failure.fix) from failure.__cause__
+                what = failure.message
+            else:
+                if response.status_code == 401 and not reloaded_token and self._reload_token():
+                    reloaded_token = True
+                    attempt -= 1  # a rotated token is no failure of the server's
+                    continue
+                if response.status_code not in RETRIED_STATUSES or attempt >= attempts:
+                    return response
+                wait = _retry_after(response, self.retry.max_retry_after)
+                what = f"{method} {_redact(url)} answered {response.status_code} {response.reason}"
+            delay = wait if wait is not None else self._backoff(attempt)
+            log.info("%s; trying again in %.2g s (attempt %d of %d)", what, delay, attempt + 1, attempts)
+            self._sleep(delay)
+
+    def _send_once(
+        self, method: str, url: str, content_type: str | None, body: bytes | None
+    ) -> requests.Response:
+        headers = {}
+        if content_type is not None:
+            headers["Content-Type"] = content_type
+        if self._token is not None and not self.credentials.plain_http:
+            headers["Authorization"] = f"Bearer {self._token}"
+        start = time.monotonic()
+        shown = _redact(url)
+        try:
+            with warnings.catch_warnings():
+                if self._verify is False:
+                    # The kubeconfig asked for it, and resolution already warned once: not on every request.
+                    warnings.simplefilter("ignore", urllib3.exceptions.InsecureRequestWarning)
+                response = self._session.request(
+                    method,
+                    url,
+                    data=body,
+                    headers=headers,
+                    timeout=(self.timeouts.connect, self.timeouts.read),
+                    verify=self._verify,
+                    cert=self._cert,
+                    proxies=self._proxies,
+                    allow_redirects=False,
+                )
+        except requests.exceptions.SSLError as exc:
+            raise self._tls_error(shown, exc) from exc
+        except requests.exceptions.ConnectTimeout as exc:
+            raise _Retry(
+                f"cannot reach the Kubernetes API at {shown}: "
+                f"no connection within {self.timeouts.connect:g} s",
+                self._unreachable_fix(),
+            ) from exc
+        except requests.exceptions.ReadTimeout as exc:
+            raise ApiError(
+                f"the Kubernetes API at {shown} did not answer within {self.timeouts.read:g} s",
+                "check that the API server is healthy (`kubectl get --raw /readyz`), then try again",
+            ) from exc
+        except (requests.exceptions.ConnectionError, requests.exceptions.ChunkedEncodingError) as exc:
+            raise _Retry(
+                f"cannot reach the Kubernetes API at {shown}: {_reason(exc)}", self._unreachable_fix()
+            ) from exc
+        except requests.exceptions.RequestException as exc:
+            raise ApiError(
+                f"cannot send the request to the Kubernetes API at {shown}: {_reason(exc)}"
+            ) from exc
+        log.debug("%s %s -> %d (%.3f s)", method, shown, response.status_code, time.monotonic() - start)
+        return response
+
+    def _reload_token(self) -> bool:
+        """Read a token file again after a 401: service account tokens are rotated under a running process."""
+        if self.credentials.reload_token is None:
+            return False
+        fresh = self.credentials.reload_token()
+        if fresh is None or fresh == self._token:
+            return False
+        log.info(
+            "the token from %s was rejected; using the token now in the file", self.credentials.token_file
+        )
+        self._token = fresh
+        return True
+
+    def _backoff(self, attempt: int) -> float:
+        delay = min(self.retry.max_backoff, self.retry.backoff * 2 ** (attempt - 1))
+        jitter: float = random.uniform(0.5, 1.0)  # noqa: S311 (jitter, not cryptography)
+        return float(delay) * jitter
+
+    def _unreachable_fix(self) -> str:
+        return (
+            f"check that the API server is running and that {self.server} is its address "
+            f"({self.credentials.source})"
+        )
+
+    # -- TLS --------------------------------------------------------------------------------------
+
+    def _setup_tls(self) -> None:
+        """requests wants file paths: inline PEM data goes to a private directory removed by close(). Both
+        are loaded once here, so that a bad CA or a key that does not match its certificate is reported
+        as such, not as an obscure handshake failure."""
+        verify = self.credentials.verify
+        self._verify = self._file(verify, "ca.crt") if isinstance(verify, Pem) else verify
+        if self.credentials.cert is not None:
+            cert, key = self.credentials.cert
+            self._cert = (self._file(cert, "client.crt"), self._file(key, "client.key"))
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        if isinstance(verify, Pem) and isinstance(self._verify, str):
+            try:
+                context.load_verify_locations(cafile=self._verify)
+            except (ssl.SSLError, OSError) as exc:
+                self.close()
+                raise ConfigError(
+                    f"the certificate authority from {verify.origin} cannot be loaded: {_ssl_reason(exc)}"
+                ) from exc
+        if self._cert is not None and self.credentials.cert is not None:
+            try:
+                # An encrypted key would make OpenSSL prompt on the terminal; a password callback that gives
+                # nothing makes it fail instead.
+                context.load_cert_chain(self._cert[0], self._cert[1], password=lambda: b"")
+            except (ssl.SSLError, OSError) as exc:
+                self.close()
+                cert, key = self.credentials.cert
+                raise ConfigError(
+                    f"the client certificate from {cert.origin} and key from {key.origin} cannot be used: "
+                    f"{_ssl_reason(exc)}"
+                ) from exc
+
+    def _file(self, pem: Pem, name: str) -> str:
+        if pem.path is not None:
+            return str(pem.path)
+        assert pem.data is not None  # noqa: S101 (a Pem has one or the other)
+        if self._tempdir is None:
+            self._tempdir = tempfile.mkdtemp(prefix="gpunode-kube-")  # mode 0700
+            self._finalizer.detach()
+            self._finalizer = weakref.finalize(self, _cleanup, self._session, self._tempdir)
+        path = os.path.join(self._tempdir, name)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(pem.data)
+        return path
+
+    def _tls_error(self, url: str, exc: requests.exceptions.SSLError) -> ApiError:
+        verification = _find_cause(exc, ssl.SSLCertVerificationError)
+        verify = self.credentials.verify
+        if verification is not None or "CERTIFICATE_VERIFY_FAILED" in str(exc):
+            detail = getattr(verification, "verify_message", None) or "the certificate is not trusted"
+            if isinstance(verify, Pem):
+                fix = (
+                    f"the server's certificate must be signed by the CA from {verify.origin}: check that the "
+                    f"kubeconfig belongs to the cluster at {self.server}"
+                )
+            else:
+                fix = (
+                    "give the cluster's CA (certificate-authority in the kubeconfig; kubeadm: "
+                    "/etc/kubernetes/pki/ca.crt)"
+                )
+            return ApiError(
+                f"cannot connect securely to the Kubernetes API at {url}: certificate verification failed "
+                f"({detail})",
+                fix,
+            )
+        return ApiError(
+            f"cannot connect securely to the Kubernetes API at {url}: TLS handshake failed ({_reason(exc)})",
+            f"check that {self.server} is the API server and that the credentials from "
+            f"{self.credentials.source} belong to it",
+        )
+
+    # -- error statuses ---------------------------------------------------------------------------
+
+    def _status_error(self, response: requests.Response, op: _Op) -> ApiError:
+        status = _status_body(response)
+        message = _one_line(str(status.get("message") or ""))
+        details = status.get("details")
+        details_name = details.get("name") if isinstance(details, dict) else None
+        said = f": {message}" if message else ""
+        code = response.status_code
+        url = _redact(response.url)
+        source = self.credentials.source
+
+        if code == 401:
+            return ApiError(
+                f"the Kubernetes API at {self.server} rejected the credentials ({self.credentials.auth} from "
+                f"{source}): 401 Unauthorized",
+                "check that they belong to this cluster and have not expired or been revoked",
+            )
+        if code == 403:
+            return self._forbidden(op, message)
+        if code == 404:
+            if op.name and details_name == op.name:
+                return ApiError(
+                    f'node "{op.name}" does not exist in the cluster at {self.server}',
+                    "check the name with `kubectl get nodes` (a node appears once its kubelet registered it)",
+                )
+            return ApiError(
+                f"the server at {self.server} has no {urlsplit(url).path} (404 Not Found): "
+                "is it a Kubernetes API server?",
+                f"check the server URL ({source})",
+            )
+        if code == 422:
+            return ApiError(
+                f'the Kubernetes API rejected the change to node "{op.name}" as invalid: '
+                f"{_causes(status, message)}"
+            )
+        if code == 409:
+            return ApiError(
+                f'the Kubernetes API refused the change to node "{op.name}": {message or "409 Conflict"}'
+            )
+        if code in RETRIED_STATUSES:
+            return ApiError(
+                f"the Kubernetes API at {url} answered {code} {response.reason} "
+                f"{self.retry.attempts} times in a row{said}",
+                "the API server is overloaded or unhealthy; try again later",
+            )
+        return ApiError(f"the Kubernetes API at {url} answered {code} {response.reason}{said}")
+
+    def _forbidden(self, op: _Op, message: str) -> ApiError:
+        found = _FORBIDDEN.search(message)
+        if found is None:
+            return ApiError(
+                f'the Kubernetes API refused to {op.verb} {op.resource} "{op.name}" for the credentials from '
+                f"{self.credentials.source}{': ' + message if message else ''}"
+            )
+        user, verb, resource = found["user"], found["verb"], found["resource"]
+        sentence = (
+            f'the Kubernetes API refused: user "{user}" may not {verb} {resource} (node "{op.name}"; '
+            f"credentials from {self.credentials.source})"
+        )
+        if user == "system:anonymous":
+            return ApiError(
+                sentence, "the request carried no credentials the server accepts: pass --kubeconfig PATH"
+            )
+        own = user.removeprefix("system:node:")
+        if own not in (user, op.name):  # a kubelet identity, of another node
+            return ApiError(
+                sentence,
+                f'a kubelet\'s credentials may change only their own node ("{own}"): '
+                "run gpunode on that node, or use an admin kubeconfig",
+            )
+        account = user.removeprefix("system:serviceaccount:")
+        subject = f"--serviceaccount={account}" if account != user else f"--user={user}"
+        if not resource.startswith("nodes"):  # e.g. impersonate users, for a kubeconfig's `as`
+            return ApiError(sentence, f"grant {user} the verb {verb} on {resource}, or use other credentials")
+        return ApiError(
+            sentence,
+            "grant it: `kubectl create clusterrole gpunode-node --verb=get,patch "
+            "--resource=nodes,nodes/status` and `kubectl create clusterrolebinding gpunode-node "
+            f"--clusterrole=gpunode-node {subject}`",
+        )
+
+
+def _cleanup(session: requests.Session, tempdir: str | None) -> None:
+    session.close()
+    if tempdir is not None:
+        shutil.rmtree(tempdir, ignore_errors=True)
+
+
+def _node_path(name: str) -> str:
+    if len(name) > 253 or not _NODE_NAME.match(name):
+        raise UsageError(f"{name!r} is not a valid node name (lower-case letters, digits, '-' and '.')")
+    return f"/api/v1/nodes/{quote(name, safe='')}"
+
+
+def _dumps(value: object) -> bytes:
+    return json.dumps(value, separators=(",", ":")).encode()
+
+
+def _redact(url: str) -> str:
+    """A URL for messages: without user:password@, should a server URL carry one."""
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url
+    return parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]).geturl()
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
+
+
+def _status_body(response: requests.Response) -> dict[str, Any]:
+    """The Kubernetes Status an error answer carries; {} for anything else (a proxy's HTML page)."""
+    try:
+        body = response.json()
+    except ValueError:
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
+def _causes(status: Mapping[str, Any], message: str) -> str:
+    details = status.get("details")
+    causes = details.get("causes") if isinstance(details, dict) else None
+    described = []
+    for cause in causes if isinstance(causes, list) else []:
+        if not isinstance(cause, dict) or not cause.get("message"):
+            continue
+        field = cause.get("field")
+        described.append(f"{field}: {cause['message']}" if field else str(cause["message"]))
+    # The generic "the server rejected our request…" says nothing the causes do not; a specific message
+    # ("Node "n1" is invalid: …") already quotes them.
+    if described and (not message or message.startswith("the server rejected our request")):
+        return _one_line("; ".join(described))
+    return message or "422 Unprocessable Entity"
+
+
+def _retry_after(response: requests.Response, cap: float) -> float | None:
+    value = response.headers.get("Retry-After")
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return None
+        seconds = when.timestamp() - time.time()
+    return min(max(seconds, 0.0), cap)
+
+
+def _find_cause(exc: BaseException, kind: type[BaseException]) -> BaseException | None:
+    """The first exception of `kind` in exc's chain: requests wraps urllib3's, which wraps the socket's."""
+    seen: set[int] = set()
+    pending: list[BaseException] = [exc]
+    while pending:
+        current = pending.pop(0)
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, kind):
+            return current
+        nested = [current.__cause__, current.__context__, getattr(current, "reason", None), *current.args]
+        pending.extend(e for e in nested if isinstance(e, BaseException))
+    return None
+
+
+def _reason(exc: BaseException) -> str:
+    """The underlying reason for a transport failure, in a few words."""
+    if _find_cause(exc, ConnectionRefusedError) is not None:
+        return "connection refused"
+    if _find_cause(exc, socket.gaierror) is not None:
+        return "the host name does not resolve"
+    if _find_cause(exc, ConnectionResetError) is not None:
+        return "connection reset by the server"
+    ssl_error = _find_cause(exc, ssl.SSLError)
+    if ssl_error is not None:
+        return _ssl_reason(ssl_error)
+    os_error = _find_cause(exc, OSError)
+    if os_error is not None and isinstance(os_error, OSError) and os_error.strerror:
+        return os_error.strerror[0].lower() + os_error.strerror[1:]
+    text = str(exc)
+    if "RemoteDisconnected" in text or "Connection aborted" in text:
+        return "the server closed the connection without answering"
+    return _one_line(text, 160)
+
+
+def _ssl_reason(exc: BaseException) -> str:
+    if isinstance(exc, ssl.SSLError) and exc.reason:
+        return str(exc.reason).lower().replace("_", " ")
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return _one_line(str(exc), 160)
+
+
+# -- proxies ------------------------------------------------------------------------------------
+
+
+def _proxies(server: str, proxy_url: str | None, env: Mapping[str, str]) -> dict[str, str]:
+    """The proxy to reach `server` through, as client-go picks it: the cluster's proxy-url, else
+    HTTPS_PROXY / HTTP_PROXY less NO_PROXY; never for localhost or a loopback address."""
+    parts = urlsplit(server)
+    scheme = parts.scheme
+    if proxy_url:
+        return {scheme: proxy_url}
+    chosen = env.get(f"{scheme}_proxy") or env.get(f"{scheme.upper()}_PROXY")
+    if not chosen or _bypasses_proxy(parts.hostname or "", parts.port, env):
+        return {}
+    return {scheme: chosen}
+
+
+def _bypasses_proxy(hostname: str, port: int | None, env: Mapping[str, str]) -> bool:
+    host = hostname.lower()
+    address: ipaddress.IPv4Address | ipaddress.IPv6Address | None
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        address = None
+    if host == "localhost" or (address is not None and address.is_loopback):
+        return True
+    for raw in (env.get("no_proxy") or env.get("NO_PROXY") or "").split(","):
+        entry = raw.strip().lower()
+        if not entry:
+            continue
+        if entry == "*":
+            return True
+        try:
+            network = ipaddress.ip_network(entry, strict=False)
+        except ValueError:
+            network = None
+        if network is not None:
+            if address is not None and address in network:
+                return True
+            continue
+        name, _, entry_port = entry.partition(":") if entry.count(":") == 1 else (entry, "", "")
+        if entry_port and str(port) != entry_port:
+            continue
+        name = name.lstrip("*")
+        if name.startswith("."):
+            if host.endswith(name):
+                return True
+        elif host == name or host.endswith("." + name):
+            return True
+    return False

@@ -1,0 +1,610 @@
+"""The Kubernetes API client against the test API server (tests/kubeapi/apiserver.py), over real TLS:
+success paths, every failure as one clear sentence, retries, read-modify-write on 409, and the token kept
+out of every message and log line."""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+import socket
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+import yaml
+
+from gpunode.errors import ApiError, ConfigError, ExitCode, UsageError
+from gpunode.host import Host
+from gpunode.kube import Credentials, Pem, json_pointer
+from gpunode.kube.client import KubeClient, RetryPolicy, Timeouts, _proxies
+from tests.kubeapi.apiserver import ApiServer
+from tests.kubeapi.pki import CertPair, Pki
+
+TOKEN = "admin-token-5b1e0c2d-never-shown"  # noqa: S105 (test tokens)
+VIEWER_TOKEN = "viewer-token-88aa-never-shown"  # noqa: S105
+TOKEN_FILE = "/var/run/token"  # noqa: S105
+OTHER = {
+    "wrong": "wrong-token-0000",
+    "sa": "sa-token-1111",
+    "node": "node-token-2222",
+    "expired": "expired-3333",
+}
+FAST = RetryPolicy(attempts=3, backoff=0.001, max_backoff=0.01, max_retry_after=0.05, conflict_attempts=3)
+TIMEOUTS = Timeouts(connect=2.0, read=3.0)
+GPU = json_pointer("status", "capacity", "nvidia.com/gpu")
+MERGE, JSONP = "application/merge-patch+json", "application/json-patch+json"
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    return Pki.create(tmp_path_factory.mktemp("pki"))
+
+
+@pytest.fixture(scope="session")
+def serving(pki: Pki) -> CertPair:
+    return pki.server()
+
+
+@pytest.fixture
+def api(pki: Pki, serving: CertPair) -> Iterator[ApiServer]:
+    with ApiServer(
+        pki,
+        server_cert=serving,
+        tokens={TOKEN: "admin", VIEWER_TOKEN: "viewer"},
+        allow=[("admin", "*", "*"), ("viewer", "get", "nodes")],
+    ) as server:
+        server.add_node("n1")
+        yield server
+
+
+@pytest.fixture(autouse=True)
+def token_never_logged(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
+    caplog.set_level(logging.DEBUG)
+    yield
+    assert TOKEN not in caplog.text and VIEWER_TOKEN not in caplog.text
+
+
+def creds(api: ApiServer, pki: Pki, token: str | None = TOKEN, **kwargs: Any) -> Credentials:
+    kwargs.setdefault("verify", Pem(origin=str(pki.ca.cert), path=pki.ca.cert))
+    return Credentials(
+        server=api.url, source='kubeconfig /root/.kube/config, context "test"', token=token, **kwargs
+    )
+
+
+def client(credentials: Credentials, **kwargs: Any) -> KubeClient:
+    kwargs.setdefault("retry", FAST)
+    kwargs.setdefault("timeouts", TIMEOUTS)
+    return KubeClient(credentials, env={}, **kwargs)
+
+
+def failure(call: Callable[[], object]) -> ApiError:
+    """The ApiError a call raises, checked for what every one must be: one sentence, no token."""
+    with pytest.raises(ApiError) as raised:
+        call()
+    error = raised.value
+    assert error.exit_code == ExitCode.API
+    assert "\n" not in error.message
+    assert TOKEN not in str(error) and VIEWER_TOKEN not in str(error)
+    return error
+
+
+# -- success paths ------------------------------------------------------------------------------------------
+
+
+def test_get_and_patch(api: ApiServer, pki: Pki) -> None:
+    with client(creds(api, pki)) as kube:
+        node = kube.get_node("n1")
+        assert node["metadata"]["name"] == "n1"
+        version = node["metadata"]["resourceVersion"]
+
+        patched = kube.patch_node_status("n1", [{"op": "add", "path": GPU, "value": "4"}])
+        assert patched["status"]["capacity"]["nvidia.com/gpu"] == "4"
+        assert int(patched["metadata"]["resourceVersion"]) > int(version)
+
+        labelled = kube.patch_node(
+            "n1", {"metadata": {"labels": {"nvidia.com/gpu.present": "true", "kubernetes.io/os": None}}}
+        )
+        assert labelled["metadata"]["labels"]["nvidia.com/gpu.present"] == "true"
+        assert "kubernetes.io/os" not in labelled["metadata"]["labels"]  # null deletes (RFC 7386)
+
+    assert api.node("n1")["status"]["capacity"]["nvidia.com/gpu"] == "4"
+    logged = [(r.method, r.path, r.content_type, r.user, r.authenticated_by, r.status) for r in api.requests]
+    assert logged == [
+        ("GET", "/api/v1/nodes/n1", None, "admin", "token", 200),
+        ("PATCH", "/api/v1/nodes/n1/status", "application/json-patch+json", "admin", "token", 200),
+        ("PATCH", "/api/v1/nodes/n1", "application/merge-patch+json", "admin", "token", 200),
+    ]
+
+
+def test_client_certificate_from_a_kubeconfig_with_inline_data(
+    api: ApiServer, pki: Pki, tmp_path: Path
+) -> None:
+    user = pki.client("system:node:n1", ["system:nodes"])
+    api.allow("system:node:n1", "*", "*")
+    config = {
+        "clusters": [
+            {"name": "c", "cluster": {"server": api.url, "certificate-authority-data": _b64(pki.ca.cert)}}
+        ],
+        "users": [
+            {
+                "name": "u",
+                "user": {"client-certificate-data": _b64(user.cert), "client-key-data": _b64(user.key)},
+            }
+        ],
+        "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
+        "current-context": "x",
+    }
+    (tmp_path / "root/.kube").mkdir(parents=True)
+    (tmp_path / "root/.kube/config").write_text(yaml.safe_dump(config))
+    host = Host(root=tmp_path, env={"HOME": "/root"}, euid=0)
+
+    kube = KubeClient.from_host(host, retry=FAST, timeouts=TIMEOUTS)
+    with kube:
+        assert kube.get_node("n1")["metadata"]["name"] == "n1"
+        # requests loads certificates from files: private copies, removed on close.
+        assert kube._cert is not None and isinstance(kube._verify, str)
+        private = Path(kube._cert[0]).parent
+        assert stat.S_IMODE(private.stat().st_mode) == 0o700
+        for path in (*kube._cert, kube._verify):
+            assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+            assert Path(path).parent == private
+    assert not private.exists()
+    assert api.requests[-1].user == "system:node:n1"
+    assert api.requests[-1].authenticated_by == "certificate"
+    assert not api.requests[-1].sent_authorization
+
+
+def test_client_certificate_files_are_used_in_place(api: ApiServer, pki: Pki) -> None:
+    user = pki.client("alice")
+    api.allow("alice", "get", "nodes")
+    pair = (Pem(str(user.cert), path=user.cert), Pem(str(user.key), path=user.key))
+    with client(creds(api, pki, token=None, cert=pair)) as kube:
+        kube.get_node("n1")
+        assert kube._tempdir is None
+        assert kube._cert == (str(user.cert), str(user.key))
+    assert api.requests[-1].user == "alice"
+
+
+def test_key_that_does_not_match_the_certificate(api: ApiServer, pki: Pki) -> None:
+    one, other = pki.client("a"), pki.client("b")
+    pair = (Pem("cert.pem", path=one.cert), Pem("key.pem", path=other.key))
+    with pytest.raises(
+        ConfigError, match=r"client certificate from cert\.pem and key from key\.pem cannot be used"
+    ):
+        client(creds(api, pki, token=None, cert=pair))
+
+
+def test_read_modify_write_with_nothing_to_do_writes_nothing(api: ApiServer, pki: Pki) -> None:
+    with client(creds(api, pki)) as kube:
+        node = kube.update_node_status("n1", lambda node: None)
+        assert node["metadata"]["name"] == "n1"
+    assert [r.method for r in api.requests] == ["GET"]
+
+
+def test_read_modify_write_sends_the_resource_version_it_read(api: ApiServer, pki: Pki) -> None:
+    version = api.node("n1")["metadata"]["resourceVersion"]
+    with client(creds(api, pki)) as kube:
+        node = kube.update_node_status("n1", lambda node: [{"op": "add", "path": GPU, "value": "8"}])
+        assert node["status"]["capacity"]["nvidia.com/gpu"] == "8"
+        node = kube.update_node("n1", lambda node: {"metadata": {"labels": {"gpunode": "yes"}}})
+        assert node["metadata"]["labels"]["gpunode"] == "yes"
+    status_patch, merge_patch = api.requests[1].body, api.requests[3].body
+    assert status_patch[0] == {"op": "replace", "path": "/metadata/resourceVersion", "value": version}
+    assert merge_patch["metadata"]["resourceVersion"] == str(int(version) + 1)
+
+
+def test_409_is_retried_with_a_fresh_read(api: ApiServer, pki: Pki) -> None:
+    seen: list[str] = []
+
+    def compute(node: dict[str, Any]) -> list[dict[str, Any]]:
+        seen.append(node["metadata"]["resourceVersion"])
+        if len(seen) == 1:
+            api.modify_node("n1", lambda n: n["status"]["capacity"].update({"example.com/foo": "1"}))
+        return [{"op": "add", "path": GPU, "value": "2"}]
+
+    with client(creds(api, pki)) as kube:
+        node = kube.update_node_status("n1", compute)
+    assert node["status"]["capacity"]["nvidia.com/gpu"] == "2"
+    assert node["status"]["capacity"]["example.com/foo"] == "1"  # the other writer's change is kept
+    assert len(seen) == 2 and seen[0] != seen[1]
+    assert [(r.method, r.status) for r in api.requests] == [
+        ("GET", 200),
+        ("PATCH", 409),
+        ("GET", 200),
+        ("PATCH", 200),
+    ]
+
+
+def test_409_for_ever_gives_up(api: ApiServer, pki: Pki) -> None:
+    def compute(node: dict[str, Any]) -> dict[str, Any]:
+        api.modify_node("n1")
+        return {"metadata": {"labels": {"a": "b"}}}
+
+    with client(creds(api, pki)) as kube:
+        error = failure(lambda: kube.update_node("n1", compute))
+    assert error.message.startswith(
+        'node "n1" kept changing while gpunode updated it: all 3 attempts met a 409'
+    )
+    assert [r.status for r in api.requests].count(409) == 3
+
+
+def test_plain_http_like_kubectl_proxy(tmp_path: Path) -> None:
+    with ApiServer(None, allow=[("admin", "*", "*")]) as proxy:
+        proxy.add_node("n1")
+        credentials = Credentials(server=proxy.url, source="--server", token=TOKEN)  # never sent in the clear
+        with client(credentials) as kube:
+            kube.patch_node("n1", {"metadata": {"labels": {"x": "y"}}})
+        assert proxy.node("n1")["metadata"]["labels"]["x"] == "y"
+        assert not any(r.sent_authorization for r in proxy.requests)
+
+
+def test_rotated_token_is_read_again(api: ApiServer, pki: Pki) -> None:
+    credentials = creds(api, pki, token=OTHER["expired"], token_file=TOKEN_FILE, reload_token=lambda: TOKEN)
+    with client(credentials) as kube:
+        kube.get_node("n1")
+    assert [r.status for r in api.requests] == [401, 200]
+
+
+def test_impersonation(api: ApiServer, pki: Pki) -> None:
+    api.allow("admin", "impersonate", "users")
+    api.allow("jane", "get", "nodes")
+    with client(creds(api, pki, impersonate_user="jane")) as kube:
+        kube.get_node("n1")
+    assert api.requests[-1].user == "jane"
+    with client(creds(api, pki, token=VIEWER_TOKEN, impersonate_user="jane")) as kube:
+        error = failure(lambda: kube.get_node("n1"))
+    assert 'user "viewer" may not impersonate users' in error.message
+
+
+# -- failures, each one sentence ----------------------------------------------------------------------------
+
+
+def test_401_names_the_credentials_source(api: ApiServer, pki: Pki) -> None:
+    with client(creds(api, pki, token=OTHER["wrong"])) as kube:
+        error = failure(lambda: kube.get_node("n1"))
+    assert error.message == (
+        f"the Kubernetes API at {api.url} rejected the credentials (a bearer token from kubeconfig "
+        '/root/.kube/config, context "test"): 401 Unauthorized'
+    )
+    assert OTHER["wrong"] not in str(error)
+
+
+def test_no_credentials_at_all(api: ApiServer, pki: Pki) -> None:
+    with client(creds(api, pki, token=None)) as kube:
+        assert "rejected the credentials (no credentials from" in failure(lambda: kube.get_node("n1")).message
+
+
+def test_403_names_the_verb_and_resource(api: ApiServer, pki: Pki) -> None:
+    with client(creds(api, pki, token=VIEWER_TOKEN)) as kube:
+        kube.get_node("n1")
+        error = failure(lambda: kube.patch_node_status("n1", [{"op": "add", "path": GPU, "value": "1"}]))
+    assert error.message.startswith(
+        'the Kubernetes API refused: user "viewer" may not patch nodes/status (node "n1"'
+    )
+    assert error.fix is not None
+    assert "--resource=nodes,nodes/status" in error.fix and "--user=viewer" in error.fix
+
+
+def test_403_for_a_service_account_and_for_a_kubelet(api: ApiServer, pki: Pki) -> None:
+    api.tokens[OTHER["sa"]] = "system:serviceaccount:gpu:gpunode"
+    api.tokens[OTHER["node"]] = "system:node:n2"
+    with client(creds(api, pki, token=OTHER["sa"])) as kube:
+        assert "--serviceaccount=gpu:gpunode" in (failure(lambda: kube.get_node("n1")).fix or "")
+    with client(creds(api, pki, token=OTHER["node"])) as kube:
+        error = failure(lambda: kube.patch_node("n1", {"metadata": {"labels": {"a": "b"}}}))
+    assert 'user "system:node:n2" may not patch nodes' in error.message
+    assert 'only their own node ("n2")' in (error.fix or "")
+
+
+def test_404_names_the_node(api: ApiServer, pki: Pki) -> None:
+    with client(creds(api, pki)) as kube:
+        error = failure(lambda: kube.get_node("gpu-7"))
+    assert error.message == f'node "gpu-7" does not exist in the cluster at {api.url}'
+    assert error.fix is not None and "kubectl get nodes" in error.fix
+
+
+def test_404_for_a_server_that_is_not_an_api_server(api: ApiServer, pki: Pki) -> None:
+    credentials = creds(api, pki)
+    credentials = Credentials(
+        server=f"{api.url}/wrong-prefix", source=credentials.source, verify=credentials.verify, token=TOKEN
+    )
+    with client(credentials) as kube:
+        error = failure(lambda: kube.get_node("n1"))
+    assert (
+        "has no /wrong-prefix/api/v1/nodes/n1 (404 Not Found): is it a Kubernetes API server?"
+        in error.message
+    )
+
+
+def test_422_for_a_patch_that_does_not_apply(api: ApiServer, pki: Pki) -> None:
+    with client(creds(api, pki)) as kube:
+        error = failure(
+            lambda: kube.patch_node_status("n1", [{"op": "replace", "path": "/status/nope/x", "value": 1}])
+        )
+    assert error.message == (
+        'the Kubernetes API rejected the change to node "n1" as invalid: replace operation does not apply: '
+        'doc is missing path: "/status/nope/x": missing value'
+    )
+
+
+def test_422_for_an_invalid_value(api: ApiServer, pki: Pki) -> None:
+    with client(creds(api, pki)) as kube:
+        error = failure(lambda: kube.patch_node_status("n1", [{"op": "add", "path": GPU, "value": "four"}]))
+    assert error.message.startswith(
+        'the Kubernetes API rejected the change to node "n1" as invalid: Node "n1" is invalid: '
+        'status.capacity[nvidia.com/gpu]: Invalid value: "four": quantities must match'
+    )
+    assert api.node("n1")["status"]["capacity"].get("nvidia.com/gpu") is None
+
+
+def test_a_plain_409_without_read_modify_write(api: ApiServer, pki: Pki) -> None:
+    with client(creds(api, pki)) as kube:
+        error = failure(
+            lambda: kube.patch_node("n1", {"metadata": {"resourceVersion": "1", "labels": {"a": "b"}}})
+        )
+    assert error.message.startswith(
+        'the Kubernetes API refused the change to node "n1": Operation cannot be fulfilled'
+    )
+
+
+def test_invalid_node_name_is_refused_before_any_request(api: ApiServer, pki: Pki) -> None:
+    with client(creds(api, pki)) as kube, pytest.raises(UsageError, match="is not a valid node name"):
+        kube.get_node("../../secrets")
+    assert api.requests == []
+
+
+# -- retries --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("code", [500, 502, 503, 504, 429])
+def test_transient_errors_are_retried(api: ApiServer, pki: Pki, code: int) -> None:
+    api.fail_next(code, count=2)
+    with client(creds(api, pki)) as kube:
+        assert kube.patch_node_status("n1", [{"op": "add", "path": GPU, "value": "1"}])
+    assert [r.status for r in api.requests] == [code, code, 200]
+
+
+def test_retry_after_is_honoured(api: ApiServer, pki: Pki) -> None:
+    api.fail_next(429, count=2, retry_after=0.03)
+    waits: list[float] = []
+    retry = RetryPolicy(attempts=3, backoff=0.001, max_retry_after=10)
+    with client(creds(api, pki), retry=retry, sleep=waits.append) as kube:
+        kube.get_node("n1")
+    assert waits == [0.03, 0.03]
+
+
+def test_retry_after_is_capped(api: ApiServer, pki: Pki) -> None:
+    api.fail_next(503, count=1, retry_after=3600)
+    waits: list[float] = []
+    with client(creds(api, pki), sleep=waits.append) as kube:
+        kube.get_node("n1")
+    assert waits == [FAST.max_retry_after]
+
+
+def test_backoff_grows(api: ApiServer, pki: Pki) -> None:
+    api.fail_next(500, count=3)
+    waits: list[float] = []
+    retry = RetryPolicy(attempts=4, backoff=0.1, max_backoff=0.3)
+    with client(creds(api, pki), retry=retry, sleep=waits.append) as kube:
+        kube.get_node("n1")
+    assert len(waits) == 3
+    assert 0.05 <= waits[0] <= 0.1 and 0.1 <= waits[1] <= 0.2 and 0.15 <= waits[2] <= 0.3
+
+
+def test_retries_exhausted(api: ApiServer, pki: Pki) -> None:
+    api.fail_next(503, count=5)
+    with client(creds(api, pki)) as kube:
+        error = failure(lambda: kube.get_node("n1"))
+    assert error.message == (
+        f"the Kubernetes API at {api.url}/api/v1/nodes/n1 answered 503 Service Unavailable 3 times in a row: "
+        "the server is currently unable to handle the request"
+    )
+    assert len(api.requests) == 3
+
+
+def test_other_errors_are_not_retried(api: ApiServer, pki: Pki) -> None:
+    with client(creds(api, pki, token=VIEWER_TOKEN)) as kube:
+        failure(lambda: kube.patch_node("n1", {"metadata": {"labels": {"a": "b"}}}))
+    assert len(api.requests) == 1
+
+
+def test_slow_answer_times_out(api: ApiServer, pki: Pki) -> None:
+    api.delay_next(2.0)
+    start = time.monotonic()
+    with client(creds(api, pki), timeouts=Timeouts(connect=1.0, read=0.2)) as kube:
+        error = failure(lambda: kube.get_node("n1"))
+    assert error.message == f"the Kubernetes API at {api.url}/api/v1/nodes/n1 did not answer within 0.2 s"
+    assert time.monotonic() - start < 1.5  # not retried: each try would wait the whole timeout again
+
+
+def test_unreachable_server_names_the_url(pki: Pki) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed when the block ends: nothing listens there
+    credentials = Credentials(server=f"https://127.0.0.1:{port}", source="test", token=TOKEN)
+    with client(credentials) as kube:
+        error = failure(lambda: kube.get_node("n1"))
+    assert error.message == (
+        f"cannot reach the Kubernetes API at https://127.0.0.1:{port}/api/v1/nodes/n1: connection refused "
+        "(tried 3 times)"
+    )
+    assert error.fix is not None and f"https://127.0.0.1:{port} is its address" in error.fix
+
+
+def test_wrong_ca_is_a_verification_error(api: ApiServer, tmp_path: Path) -> None:
+    other = Pki.create(tmp_path / "other", name="other-ca")
+    credentials = Credentials(
+        server=api.url, source="test", token=TOKEN, verify=Pem(str(other.ca.cert), path=other.ca.cert)
+    )
+    with client(credentials) as kube:
+        error = failure(lambda: kube.get_node("n1"))
+    # The detail in parentheses is OpenSSL's own words, which vary with its version.
+    assert error.message.startswith(
+        f"cannot connect securely to the Kubernetes API at {api.url}/api/v1/nodes/n1: "
+        "certificate verification failed ("
+    )
+    assert error.fix is not None and f"signed by the CA from {other.ca.cert}" in error.fix
+    assert api.requests == []  # the token never left
+
+
+def test_system_cas_do_not_trust_a_private_ca(api: ApiServer) -> None:
+    with client(Credentials(server=api.url, source="test", token=TOKEN)) as kube:
+        error = failure(lambda: kube.get_node("n1"))
+    assert "certificate verification failed" in error.message
+    assert error.fix is not None and "certificate-authority" in error.fix
+
+
+def test_certificate_for_another_host(pki: Pki, tmp_path: Path) -> None:
+    elsewhere = pki.server(hosts=["apiserver.example"], name="elsewhere")
+    server = ApiServer(pki, server_cert=elsewhere, tokens={TOKEN: "admin"}, allow=[("admin", "*", "*")])
+    with server as api, client(creds(api, pki)) as kube:
+        error = failure(lambda: kube.get_node("n1"))
+    assert (
+        "certificate verification failed (IP address mismatch, certificate is not valid for '127.0.0.1'"
+        in (error.message)
+    )
+
+
+def test_insecure_skip_tls_verify_connects_without_checking(api: ApiServer) -> None:
+    with client(Credentials(server=api.url, source="test", token=TOKEN, verify=False)) as kube:
+        assert kube.get_node("n1")["metadata"]["name"] == "n1"
+
+
+# -- proxies ------------------------------------------------------------------------------------------------
+
+
+def test_proxies_from_the_environment_and_the_kubeconfig() -> None:
+    env = {"HTTPS_PROXY": "http://proxy:3128", "NO_PROXY": "10.0.0.0/8,.internal,cp.example:6443"}
+    assert _proxies("https://api.example:6443", None, env) == {"https": "http://proxy:3128"}
+    assert _proxies("https://10.1.2.3:6443", None, env) == {}
+    assert _proxies("https://a.internal:6443", None, env) == {}
+    assert _proxies("https://cp.example:6443", None, env) == {}
+    assert _proxies("https://cp.example:443", None, env) == {"https": "http://proxy:3128"}
+    assert _proxies("https://127.0.0.1:6443", None, env) == {}  # never for loopback
+    assert _proxies("https://api.example:6443", "http://p:8080", {}) == {"https": "http://p:8080"}
+    assert _proxies("https://api.example:6443", None, {}) == {}
+
+
+def _b64(path: Path) -> str:
+    return base64.b64encode(path.read_bytes()).decode()
+
+
+def test_connect_timeout_is_retried_then_named(tmp_path: Path) -> None:
+    # A listener whose accept queue is full: the kernel drops further SYNs, so connecting times out.
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        port = listener.getsockname()[1]
+        fillers = []
+        for _ in range(3):
+            filler = socket.socket()
+            filler.setblocking(False)
+            filler.connect_ex(("127.0.0.1", port))
+            fillers.append(filler)
+        try:
+            credentials = Credentials(server=f"https://127.0.0.1:{port}", source="test", token=TOKEN)
+            with client(credentials, timeouts=Timeouts(connect=0.2, read=1.0)) as kube:
+                error = failure(lambda: kube.get_node("n1"))
+        finally:
+            for filler in fillers:
+                filler.close()
+    assert error.message == (
+        f"cannot reach the Kubernetes API at https://127.0.0.1:{port}/api/v1/nodes/n1: no connection within "
+        "0.2 s (tried 3 times)"
+    )
+
+
+def test_a_status_that_is_not_retried(api: ApiServer, pki: Pki) -> None:
+    api.fail_next(501)
+    with client(creds(api, pki)) as kube:
+        error = failure(lambda: kube.get_node("n1"))
+    assert error.message.startswith(
+        f"the Kubernetes API at {api.url}/api/v1/nodes/n1 answered 501 Not Implemented"
+    )
+    assert len(api.requests) == 1
+
+
+def test_importing_gpunode_kube_loads_neither_requests_nor_yaml() -> None:
+    code = (
+        "import sys, gpunode.kube, gpunode.kube.credentials; "
+        "print(sorted(m for m in ('requests', 'yaml', 'urllib3') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "[]"
+
+
+# -- the test server itself behaves like kube-apiserver ------------------------------------------------------
+
+
+def raw(api: ApiServer, pki: Pki, method: str, path: str, **kwargs: Any) -> requests.Response:
+    headers = {"Authorization": f"Bearer {TOKEN}", **kwargs.pop("headers", {})}
+    return requests.request(
+        method, api.url + path, headers=headers, verify=str(pki.ca.cert), timeout=5, **kwargs
+    )
+
+
+def test_server_answers_statuses_shaped_like_kubernetes(api: ApiServer, pki: Pki) -> None:
+    answer = raw(api, pki, "PATCH", "/api/v1/nodes/n1", data=b"{}", headers={"Content-Type": "text/plain"})
+    assert answer.status_code == 415
+    assert answer.json()["reason"] == "UnsupportedMediaType"
+    assert raw(api, pki, "DELETE", "/api/v1/nodes/n1").json()["reason"] == "MethodNotAllowed"
+    unknown = raw(api, pki, "GET", "/api/v1/pods")
+    assert (unknown.status_code, unknown.json()["message"]) == (
+        404,
+        "the server could not find the requested resource",
+    )
+    unauthorized = raw(api, pki, "GET", "/api/v1/nodes/n1", headers={"Authorization": "Bearer nope"})
+    assert unauthorized.json() == {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Failure",
+        "message": "Unauthorized",
+        "reason": "Unauthorized",
+        "code": 401,
+    }
+    forbidden = raw(
+        api, pki, "PATCH", "/api/v1/nodes/n1/status", headers={"Authorization": f"Bearer {VIEWER_TOKEN}"}
+    )
+    assert forbidden.json()["message"] == (
+        'nodes "n1" is forbidden: User "viewer" cannot patch resource "nodes/status" in API group "" at the '
+        "cluster scope"
+    )
+    assert forbidden.json()["details"] == {"name": "n1", "kind": "nodes"}
+    assert not any(TOKEN in repr(entry) for entry in api.requests)
+
+
+def test_server_subresources_and_resource_versions(api: ApiServer, pki: Pki) -> None:
+    version = api.node("n1")["metadata"]["resourceVersion"]
+    # The main resource ignores status; the status subresource ignores spec.
+    merge = {"status": {"capacity": {"x": "1"}}, "spec": {"unschedulable": True}}
+    body = raw(api, pki, "PATCH", "/api/v1/nodes/n1", json=merge, headers={"Content-Type": MERGE}).json()
+    assert body["spec"]["unschedulable"] is True and "x" not in body["status"]["capacity"]
+    ops = [
+        {"op": "add", "path": "/spec/taints", "value": []},
+        {"op": "add", "path": "/status/phase", "value": "Up"},
+    ]
+    body = raw(api, pki, "PATCH", "/api/v1/nodes/n1/status", json=ops, headers={"Content-Type": JSONP}).json()
+    assert "taints" not in body["spec"] and body["status"]["phase"] == "Up"
+    assert int(body["metadata"]["resourceVersion"]) == int(version) + 2
+    # A patch that changes nothing writes nothing.
+    same = raw(
+        api, pki, "PATCH", "/api/v1/nodes/n1/status", json=ops[1:], headers={"Content-Type": JSONP}
+    ).json()
+    assert same["metadata"]["resourceVersion"] == body["metadata"]["resourceVersion"]
+    # A failing test op is a 422 (not a 409), as with the real server.
+    test = [{"op": "test", "path": "/metadata/resourceVersion", "value": version}]
+    failed = raw(api, pki, "PATCH", "/api/v1/nodes/n1/status", json=test, headers={"Content-Type": JSONP})
+    assert failed.status_code == 422
+    assert failed.json()["message"] == "the server rejected our request due to an error in our request"
+    assert (
+        failed.json()["details"]["causes"][0]["message"]
+        == "testing value /metadata/resourceVersion failed: test failed"
+    )
