@@ -20,6 +20,7 @@ FAILED_CHECK_IDS = {
     "check_runtimes": "runtime.error",
     "check_kubelet": "kubelet.error",
     "check_plugin": "plugin.error",
+    "check_capacity": "node.error",
 }
 
 

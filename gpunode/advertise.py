@@ -1,0 +1,235 @@
+"""Advertise the node's GPUs through the Kubernetes API, and take that back.
+
+detect (node name, GPUs, the plugin's sharing settings, whether a device plugin owns the resource) → plan
+against the Node as the API returns it (pure: JSON patch operations for its status, a merge patch for its
+labels) → apply, each write guarded by the resourceVersion that was read (a 409 means: read and plan again).
+What gpunode set is recorded in two annotations on the Node, so that stale labels and, on withdraw,
+everything gpunode set are removed, and nothing anyone else set is touched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from gpunode import kubelet, paths
+from gpunode.errors import UsageError
+from gpunode.host import Host
+from gpunode.kube.jsonpointer import json_pointer
+from gpunode.kube.labels import CAPACITY_ANNOTATION, Sharing, gpu_labels, label_patch, removal_patch
+from gpunode.nvml.model import Inventory
+
+if TYPE_CHECKING:
+    from gpunode.kube.client import KubeClient
+
+DEFAULT_RESOURCE = "nvidia.com/gpu"
+STATUS_FIELDS = ("capacity", "allocatable")
+
+
+@dataclass(frozen=True)
+class AdvertiseOptions:
+    node: str | None = None
+    resource: str = DEFAULT_RESOURCE
+    count: int | None = None  # None: the GPUs NVML reports
+    labels: bool = True
+    capacity: bool = True
+
+
+@dataclass
+class Change:
+    """What one advertise or withdraw did (or, in a dry run, would do) to the Node."""
+
+    node: str
+    node_source: str
+    resource: str | None = None
+    count: int | None = None
+    capacity_before: str | None = None
+    capacity_ops: list[dict[str, Any]] = field(default_factory=list)
+    labels_set: dict[str, str] = field(default_factory=dict)
+    labels_removed: list[str] = field(default_factory=list)
+    metadata_patch: dict[str, Any] | None = None
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def changes_nothing(self) -> bool:
+        return not self.capacity_ops and self.metadata_patch is None
+
+
+# -- pure planning over the Node object ---------------------------------------------------------------
+
+
+def _status(node: Mapping[str, Any], name: str) -> dict[str, Any]:
+    value = node.get("status", {}).get(name)
+    return value if isinstance(value, dict) else {}
+
+
+def _metadata(node: Mapping[str, Any], name: str) -> dict[str, str]:
+    value = node.get("metadata", {}).get(name)
+    return value if isinstance(value, dict) else {}
+
+
+def capacity_ops(node: Mapping[str, Any], resource: str, count: int) -> list[dict[str, Any]]:
+    """JSON patch operations setting capacity and allocatable of `resource` to `count` (a string, as the API
+    keeps quantities); [] when both already say so. Allocatable too: the scheduler places pods by it, and
+    without a device plugin nothing else would set it."""
+    ops: list[dict[str, Any]] = []
+    for name in STATUS_FIELDS:
+        if name not in node.get("status", {}):
+            ops.append({"op": "add", "path": json_pointer("status", name), "value": {}})
+        if _status(node, name).get(resource) != str(count):
+            ops.append({"op": "add", "path": json_pointer("status", name, resource), "value": str(count)})
+    return ops
+
+
+def removal_ops(node: Mapping[str, Any], resources: list[str]) -> list[dict[str, Any]]:
+    """JSON patch operations removing these resources from capacity and allocatable, where they are."""
+    return [
+        {"op": "remove", "path": json_pointer("status", name, resource)}
+        for resource in resources
+        for name in STATUS_FIELDS
+        if resource in _status(node, name)
+    ]
+
+
+def advertised_resources(node: Mapping[str, Any]) -> list[str]:
+    raw = _metadata(node, "annotations").get(CAPACITY_ANNOTATION, "")
+    return sorted({r.strip() for r in raw.split(",") if r.strip()})
+
+
+def plan_metadata(
+    node: Mapping[str, Any], wanted_labels: dict[str, str] | None, resources: list[str] | None
+) -> dict[str, Any] | None:
+    """The merge patch for the labels (None: leave them) and the record of advertised resources (None:
+    leave it)."""
+    labels, annotations = _metadata(node, "labels"), _metadata(node, "annotations")
+    patch: dict[str, Any] = {"metadata": {}}
+    if wanted_labels is not None:
+        patch = label_patch(labels, annotations, wanted_labels) or patch
+    if resources is not None:
+        record = ",".join(sorted(resources)) or None
+        if annotations.get(CAPACITY_ANNOTATION) != record:
+            patch["metadata"].setdefault("annotations", {})[CAPACITY_ANNOTATION] = record
+    return patch if patch["metadata"] else None
+
+
+# -- detect -------------------------------------------------------------------------------------------
+
+
+def plugin_owner(host: Host, resource: str) -> str | None:
+    """Why a device plugin owns `resource` on this node (kubelet then overwrites a manual capacity)."""
+    if resource in kubelet.registered_resources(host):
+        return f"a device plugin has registered {resource} with kubelet (kubelet's checkpoint says so)"
+    sockets = {f"{paths.PLUGIN_SOCKET_PREFIX}{resource.replace('/', '-')}.sock"}
+    if resource == DEFAULT_RESOURCE:
+        sockets.add(paths.NVIDIA_PLUGIN_SOCKET.rsplit("/", 1)[-1])
+    for name in sorted(sockets):
+        if host.is_socket(f"{paths.DEVICE_PLUGIN_DIR}/{name}"):
+            return f"a device plugin serves {resource} on this node ({paths.DEVICE_PLUGIN_DIR}/{name})"
+    return None
+
+
+def plugin_sharing(host: Host) -> Sharing:
+    """The installed plugin's time-slicing settings (its config file), or none."""
+    from gpunode.plugin.config import load_config
+    from gpunode.systemd.service import CONFIG_PATH
+
+    if not host.is_file(CONFIG_PATH):
+        return Sharing()
+    config = load_config(host, config_path=CONFIG_PATH, env={})
+    return Sharing(replicas=config.replicas, rename_by_default=config.rename_by_default)
+
+
+def gpu_count(inventory: Inventory) -> int:
+    return sum(1 for g in inventory.gpus if not g.lost and g.error is None)
+
+
+# -- apply --------------------------------------------------------------------------------------------
+
+
+def advertise(
+    host: Host,
+    client: KubeClient,
+    opts: AdvertiseOptions,
+    inventory: Inventory,
+    *,
+    dry_run: bool = False,
+) -> Change:
+    name, source = kubelet.node_name(host, opts.node)
+    count = opts.count if opts.count is not None else gpu_count(inventory)
+    if count < 0:
+        raise UsageError(f"--count {count}: a count cannot be negative")
+    change = Change(node=name, node_source=source, resource=opts.resource if opts.capacity else None)
+    if opts.capacity:
+        change.count = count
+        owner = plugin_owner(host, opts.resource)
+        if owner:
+            change.warnings.append(
+                f"{owner}: kubelet keeps {opts.resource} at what the plugin reports and overwrites a value "
+                "set by hand; advertise only the labels (--no-capacity), or stop that plugin"
+            )
+    wanted = gpu_labels(inventory, plugin_sharing(host)) if opts.labels else None
+
+    def status_ops(node: dict[str, Any]) -> list[dict[str, Any]]:
+        change.capacity_before = _status(node, "capacity").get(opts.resource)
+        change.capacity_ops = capacity_ops(node, opts.resource, count) if opts.capacity else []
+        return change.capacity_ops
+
+    def metadata(node: dict[str, Any]) -> dict[str, Any] | None:
+        resources = sorted({*advertised_resources(node), opts.resource}) if opts.capacity else None
+        change.metadata_patch = plan_metadata(node, wanted, resources)
+        _describe_labels(change)
+        return change.metadata_patch
+
+    _run(client, name, status_ops, metadata, dry_run=dry_run)
+    return change
+
+
+def withdraw(
+    host: Host, client: KubeClient, *, node: str | None, resource: str | None, dry_run: bool = False
+) -> Change:
+    name, source = kubelet.node_name(host, node)
+    change = Change(node=name, node_source=source, resource=resource)
+
+    def status_ops(current: dict[str, Any]) -> list[dict[str, Any]]:
+        resources = sorted({*advertised_resources(current), *([resource] if resource else [])})
+        change.resource = ", ".join(resources) or None
+        change.capacity_ops = removal_ops(current, resources)
+        return change.capacity_ops
+
+    def metadata(current: dict[str, Any]) -> dict[str, Any] | None:
+        patch: dict[str, Any] | None = removal_patch(
+            _metadata(current, "labels"), _metadata(current, "annotations")
+        )
+        if CAPACITY_ANNOTATION in _metadata(current, "annotations"):
+            patch = patch or {"metadata": {}}
+            patch["metadata"].setdefault("annotations", {})[CAPACITY_ANNOTATION] = None
+        change.metadata_patch = patch
+        _describe_labels(change)
+        return patch
+
+    _run(client, name, status_ops, metadata, dry_run=dry_run)
+    return change
+
+
+def _run(
+    client: KubeClient,
+    name: str,
+    status_ops: Callable[[dict[str, Any]], list[dict[str, Any]]],
+    metadata: Callable[[dict[str, Any]], dict[str, Any] | None],
+    *,
+    dry_run: bool,
+) -> None:
+    if dry_run:
+        node = client.get_node(name)
+        status_ops(node)
+        metadata(node)
+        return
+    client.update_node_status(name, status_ops)
+    client.update_node(name, metadata)
+
+
+def _describe_labels(change: Change) -> None:
+    labels = (change.metadata_patch or {}).get("metadata", {}).get("labels", {})
+    change.labels_set = {k: v for k, v in labels.items() if v is not None}
+    change.labels_removed = sorted(k for k, v in labels.items() if v is None)
