@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING, Optional
 
 import typer
 
+from gpunode.cli.common import confirm, refuse_foreign_root
 from gpunode.toolkit.managers import DEFAULT_REPO_URL
 
 if TYPE_CHECKING:
-    from gpunode.host import Host
     from gpunode.toolkit.install import Outcome, Progress, ToolkitPlan, ToolkitStatus
 
 app = typer.Typer(
@@ -63,7 +63,7 @@ def install(
     from gpunode.toolkit import install as toolkit
 
     host = state(ctx).host
-    _refuse_foreign_root(host, dry_run)
+    refuse_foreign_root(host, dry_run)
     if not dry_run:
         toolkit.require_root(host, "toolkit install")
     opts = toolkit.InstallOptions(
@@ -81,7 +81,7 @@ def install(
         _print_plan(plan, dry_run=False)
         if plan.changes_nothing:
             return
-        _confirm(yes, "toolkit install")
+        confirm(yes, "toolkit install")
         outcome = toolkit.apply_install(host, plan, _progress())
     _print_outcome(outcome)
     typer.echo(f"nvidia-container-toolkit {toolkit.consistent_version(outcome.installed)} is installed")
@@ -99,7 +99,7 @@ def uninstall(
     from gpunode.toolkit import install as toolkit
 
     host = state(ctx).host
-    _refuse_foreign_root(host, dry_run)
+    refuse_foreign_root(host, dry_run)
     if not dry_run:
         toolkit.require_root(host, "toolkit uninstall")
     if dry_run:
@@ -110,7 +110,7 @@ def uninstall(
         _print_plan(plan, dry_run=False)
         if plan.changes_nothing:
             return
-        _confirm(yes, "toolkit uninstall")
+        confirm(yes, "toolkit uninstall")
         outcome = toolkit.apply_uninstall(host, plan, _progress())
     _print_outcome(outcome)
 
@@ -132,33 +132,6 @@ def status(
         _print_status(current)
     if not current.healthy:
         raise typer.Exit(int(ExitCode.UNHEALTHY))
-
-
-def _refuse_foreign_root(host: Host, dry_run: bool) -> None:
-    from gpunode.errors import UsageError
-    from gpunode.host import SubprocessRunner
-
-    # The package manager would change THIS machine, not the tree under --root.
-    if not dry_run and not host.is_real_root and isinstance(host.runner, SubprocessRunner):
-        raise UsageError(
-            f"--root {host.root} works with --dry-run only: the package manager would change this machine",
-            "add --dry-run, or run gpunode inside that system (chroot, systemd-nspawn)",
-        )
-
-
-def _confirm(yes: bool, what: str) -> None:
-    from gpunode.errors import ExitCode, UsageError
-
-    if yes:
-        return
-    if not sys.stdin.isatty():
-        raise UsageError(
-            f"{what} changes this system's packages and there is no terminal to confirm on",
-            "add --yes to run it unattended (or --dry-run to see the plan)",
-        )
-    if not typer.confirm("Go ahead?", default=False):
-        typer.echo("nothing was changed")
-        raise typer.Exit(int(ExitCode.INTERRUPTED))
 
 
 def _progress() -> Progress:

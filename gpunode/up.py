@@ -1,0 +1,264 @@
+"""`gpunode up`: a fresh GPU node made ready, in one idempotent command.
+
+The steps, in order: preflight (doctor's driver, NVML and kubelet checks must pass: gpunode cannot fix
+those), the toolkit (installed if missing), the container runtime kubelet uses (configured for the nvidia
+runtime, as the default: pods asking for nvidia.com/gpu carry no runtime class), the device plugin service
+(installed, started, registered), and the GPU labels (when the node has API credentials).
+
+Each step is planned first from what is on the node now — "needed" with what it will do, or "done" —
+so the whole plan can be printed (`--dry-run` stops there) and a configured node changes nothing. Each step
+is planned again right before it runs (an earlier step may have changed what it sees) and stops `up` at
+the first failure, with that step's fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from gpunode.errors import GpunodeError, NotFound
+from gpunode.host import Host
+from gpunode.nvml.model import Inventory
+
+# doctor findings that gpunode up cannot fix: it stops before changing anything
+BLOCKING_PREFIXES = ("driver", "nvml", "kubelet")
+
+
+@dataclass(frozen=True)
+class UpOptions:
+    toolkit_version: str | None = None
+    repo_url: str | None = None
+    key_file: str | None = None
+    key_fingerprint: str | None = None
+    runtime: str | None = None
+    plugin_config: str | None = None
+    labels: bool = True
+    node: str | None = None
+    kubeconfig: str | None = None
+    context: str | None = None
+    server: str | None = None
+
+
+@dataclass
+class Step:
+    name: str
+    summary: str  # what it will do, or what is already so
+    needed: bool
+    details: list[str] = field(default_factory=list)  # the plan's files and commands, for --dry-run
+    blocked: str | None = None  # why up cannot go on (preflight)
+    fix: str | None = None
+    apply: Callable[[], str] | None = None  # does the step; returns the line to print
+    error: GpunodeError | None = None  # why it could not be planned
+
+
+def plan_up(host: Host, opts: UpOptions, discover: Callable[[Host], Inventory]) -> list[Step]:
+    """Every step's plan. A step that cannot even be planned (no key, no runtime) is shown with its error,
+    so that the whole plan is still printed; `up` then stops before changing anything."""
+    steps = [_planned("preflight", lambda: _preflight(host, discover))]
+    for name in ("toolkit", "runtime", "plugin", "labels"):
+        steps.append(_planned(name, lambda name=name: replan(host, opts, discover, name)))  # type: ignore[misc]
+    return steps
+
+
+def _planned(name: str, plan: Callable[[], Step]) -> Step:
+    try:
+        return plan()
+    except GpunodeError as exc:
+        return Step(
+            name,
+            f"cannot be planned: {exc.message}",
+            needed=True,
+            blocked=exc.message,
+            fix=exc.fix,
+            error=exc,
+        )
+
+
+def replan(host: Host, opts: UpOptions, discover: Callable[[Host], Inventory], name: str) -> Step:
+    """One step planned again, just before it runs."""
+    return {
+        "toolkit": lambda: _toolkit(host, opts),
+        "runtime": lambda: _runtime(host, opts),
+        "plugin": lambda: _plugin(host, opts),
+        "labels": lambda: _labels(host, opts, discover),
+    }[name]()
+
+
+# -- the steps --------------------------------------------------------------------------------------
+
+
+def _preflight(host: Host, discover: Callable[[Host], Inventory]) -> Step:
+    from gpunode.doctor import run_doctor
+    from gpunode.doctor.checks import kubelet_present
+    from gpunode.doctor.model import Finding, Status
+
+    report = run_doctor(host, discover)
+    blocking = [f for f in report.findings if f.status is Status.FAIL and f.id.startswith(BLOCKING_PREFIXES)]
+    if not kubelet_present(host):
+        # The plugin registers with kubelet; without one, its service never becomes ready.
+        blocking.append(
+            Finding(
+                "kubelet",
+                Status.FAIL,
+                "kubelet is not installed: this machine is not a Kubernetes node yet",
+                fix="join it to the cluster first (kubeadm join, or a k3s / RKE2 agent), then run this",
+            )
+        )
+    if blocking:
+        first = blocking[0]
+        return Step(
+            "preflight",
+            f"{len(blocking)} problem(s) gpunode up cannot fix: " + "; ".join(f.summary for f in blocking),
+            needed=False,
+            blocked=first.summary,
+            fix=first.fix or "run `gpunode doctor` for the details",
+        )
+    gpus = [f for f in report.findings if f.id.startswith("gpu.") and f.status is not Status.SKIP]
+    return Step("preflight", f"driver, NVML and kubelet are fine ({len(gpus)} GPU finding(s))", needed=False)
+
+
+def _toolkit(host: Host, opts: UpOptions) -> Step:
+    from gpunode.toolkit import install as toolkit
+    from gpunode.toolkit.managers import DEFAULT_REPO_URL, package_version
+
+    current = toolkit.status(host)
+    wanted = package_version(opts.toolkit_version) if opts.toolkit_version else None
+    if toolkit.satisfied(current.installed, wanted):
+        return Step("toolkit", f"nvidia-container-toolkit {current.version} is installed", needed=False)
+    install_opts = toolkit.InstallOptions(
+        version=opts.toolkit_version,
+        repo_url=opts.repo_url or DEFAULT_REPO_URL,
+        key_file=opts.key_file,
+        key_fingerprint=opts.key_fingerprint,
+    )
+    plan = toolkit.plan_install(host, install_opts)
+    details = [f"write {f.file.path}" for f in plan.files if f.changed] + [f"run: {c}" for c in plan.commands]
+
+    def apply() -> str:
+        toolkit.require_root(host, "up")
+        with host.lock(toolkit.LOCK):
+            fresh = toolkit.plan_install(host, install_opts)
+            outcome = toolkit.apply_install(host, fresh)
+        return f"nvidia-container-toolkit {toolkit.consistent_version(outcome.installed)} installed"
+
+    return Step(
+        "toolkit",
+        f"install nvidia-container-toolkit {wanted or '(newest)'} with {plan.manager.name}",
+        needed=True,
+        details=details,
+        apply=apply,
+    )
+
+
+def _runtime(host: Host, opts: UpOptions) -> Step:
+    from gpunode.runtimes import configure, records
+    from gpunode.runtimes.plan import ConfigureOptions
+
+    runtime, _why = configure.choose_runtime(host, opts.runtime)
+    configure_opts = ConfigureOptions(set_as_default=True)
+    plan = configure.plan_configure(host, runtime, configure_opts)
+    if not plan.pending:
+        return Step("runtime", f"{runtime} is configured for the nvidia runtime (the default)", needed=False)
+
+    def apply() -> str:
+        with host.lock(records.LOCK):
+            fresh = configure.plan_configure(host, runtime, configure_opts)
+            outcome = configure.apply(host, fresh, restart=host.is_real_root and fresh.standard_location)
+        restarted = f"; restarted {fresh.unit}" if outcome.restarted else ""
+        return f"{runtime}: wrote {', '.join(outcome.written)}{restarted}"
+
+    return Step(
+        "runtime",
+        f"configure {runtime} for the nvidia runtime, as the default "
+        f"({', '.join(c.path for c in plan.pending)})",
+        needed=True,
+        details=[c.diff() for c in plan.pending],
+        apply=apply,
+    )
+
+
+def _plugin(host: Host, opts: UpOptions) -> Step:
+    from gpunode.systemd import service
+
+    plan = service.plan_install(
+        host, config_file=opts.plugin_config, start=True, executable=service.gpunode_executable()
+    )
+    state = service.service_state(host)
+    if plan.changes_nothing and state.active == "active":
+        return Step("plugin", f"{service.UNIT} is installed and running", needed=False)
+    details = [f"write {f.path}" for f in plan.files if f.changed] + [
+        f"run: {' '.join(c)}" for c in plan.commands
+    ]
+
+    def apply() -> str:
+        service.require_root(host, "up")
+        fresh = service.plan_install(
+            host, config_file=opts.plugin_config, start=True, executable=service.gpunode_executable()
+        )
+        result = service.apply_install(host, fresh)
+        return f"{service.UNIT} is {result.active}: {result.properties.get('StatusText') or 'registered'}"
+
+    return Step(
+        "plugin",
+        f"install and start {service.UNIT}, wait until it has registered with kubelet",
+        needed=True,
+        details=details,
+        apply=apply,
+    )
+
+
+def _labels(host: Host, opts: UpOptions, discover: Callable[[Host], Inventory]) -> Step:
+    if not opts.labels:
+        return Step("labels", "GPU labels not wanted (--no-labels)", needed=False)
+    from gpunode.advertise import AdvertiseOptions, advertise
+    from gpunode.kube.client import KubeClient
+
+    try:
+        client = KubeClient.from_host(
+            host, kubeconfig=opts.kubeconfig, context=opts.context, server=opts.server
+        )
+    except NotFound as exc:
+        return Step(
+            "labels", "skipped: no Kubernetes API credentials on this node", needed=False, fix=exc.fix
+        )
+    adv_opts = AdvertiseOptions(node=opts.node, capacity=False)  # capacity is the device plugin's
+    inventory = discover(host)
+    with client:
+        change = advertise(host, client, adv_opts, inventory, dry_run=True)
+    if change.changes_nothing:
+        return Step("labels", f"node {change.node} has its GPU labels", needed=False)
+    details = [f"label {k}={v}" for k, v in sorted(change.labels_set.items())] + [
+        f"remove label {k}" for k in change.labels_removed
+    ]
+
+    def apply() -> str:
+        with KubeClient.from_host(
+            host, kubeconfig=opts.kubeconfig, context=opts.context, server=opts.server
+        ) as fresh_client:
+            done = advertise(host, fresh_client, adv_opts, inventory)
+        return f"node {done.node}: {len(done.labels_set)} label(s) set, {len(done.labels_removed)} removed"
+
+    return Step(
+        "labels",
+        f"label node {change.node} ({len(change.labels_set)} to set, {len(change.labels_removed)} to remove)",
+        needed=True,
+        details=details,
+        apply=apply,
+    )
+
+
+def run_steps(steps: list[Step], on_step: Callable[[int, int, Step], None]) -> list[tuple[Step, str]]:
+    """Apply the needed steps in order; the first failure stops the rest (its error says which step)."""
+    needed = [s for s in steps if s.needed and s.apply is not None]
+    results: list[tuple[Step, str]] = []
+    for n, step in enumerate(needed, 1):
+        on_step(n, len(needed), step)
+        assert step.apply is not None  # noqa: S101 (filtered above)
+        try:
+            results.append((step, step.apply()))
+        except GpunodeError as exc:
+            exc.message = f"step {step.name} failed: {exc.message}"
+            if n < len(needed):
+                exc.message += f"\nnot done: {', '.join(s.name for s in needed[n:])}"
+            raise
+    return results
