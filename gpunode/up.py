@@ -37,6 +37,8 @@ class UpOptions:
     kubeconfig: str | None = None
     context: str | None = None
     server: str | None = None
+    # Where the package manager's output goes while the toolkit installs (the CLI shows it).
+    on_output: Callable[[str], None] | None = field(default=None, compare=False)
 
 
 @dataclass
@@ -138,7 +140,8 @@ def _toolkit(host: Host, opts: UpOptions) -> Step:
         toolkit.require_root(host, "up")
         with host.lock(toolkit.LOCK):
             fresh = toolkit.plan_install(host, install_opts)
-            outcome = toolkit.apply_install(host, fresh)
+            progress = toolkit.Progress(line=opts.on_output) if opts.on_output else None
+            outcome = toolkit.apply_install(host, fresh, progress)
         return f"nvidia-container-toolkit {toolkit.consistent_version(outcome.installed)} installed"
 
     return Step(

@@ -86,6 +86,7 @@ def up(
         kubeconfig=kubeconfig,
         context=context,
         server=server,
+        on_output=lambda line: typer.echo(f"    | {line}"),
     )
     steps = plan_up(host, opts, discover)
     _print_plan(steps, verbose=dry_run)

@@ -192,6 +192,7 @@ def test_up_sets_the_node_up_and_a_second_run_changes_nothing(
     fake = runner(node)
     assert fake.packages.installed == dict.fromkeys(PACKAGES, "1.17.8-1")
     assert "==> [1/4] toolkit:" in out and "==> [4/4] labels:" in out
+    assert "    | install: done" in out  # the package manager's output, streamed
     config = node.path("/etc/containerd/config.toml").read_text()
     assert 'default_runtime_name = "nvidia"' in config and "/usr/bin/nvidia-container-runtime" in config
     assert node.path("/etc/systemd/system/gpunode-device-plugin.service").exists()
