@@ -22,6 +22,7 @@ from gpunode.nvml.model import Inventory
 
 if TYPE_CHECKING:
     from gpunode.kube.client import KubeClient
+    from gpunode.plugin.config import PluginConfig
 
 DEFAULT_RESOURCE = "nvidia.com/gpu"
 STATUS_FIELDS = ("capacity", "allocatable")
@@ -93,8 +94,28 @@ def removal_ops(node: Mapping[str, Any], resources: list[str]) -> list[dict[str,
 
 
 def advertised_resources(node: Mapping[str, Any]) -> list[str]:
+    """The resources gpunode recorded advertising. Only extended resources count: the annotation is anyone's
+    to edit, and `cpu` or `memory` there must not make withdraw remove kubelet's own capacity."""
     raw = _metadata(node, "annotations").get(CAPACITY_ANNOTATION, "")
-    return sorted({r.strip() for r in raw.split(",") if r.strip()})
+    return sorted(
+        {r.strip() for r in raw.split(",") if r.strip() and _extended_resource_problem(r.strip()) is None}
+    )
+
+
+def _extended_resource_problem(resource: str) -> str | None:
+    from gpunode.plugin.config import resource_name_problem
+
+    return resource_name_problem(resource)
+
+
+def _check_resource(resource: str) -> None:
+    """--resource names an extended resource (domain/name): never cpu, memory, pods or a kubernetes.io one,
+    which kubelet owns."""
+    problem = _extended_resource_problem(resource)
+    if problem is not None:
+        raise UsageError(
+            f"--resource {resource}: {problem}", "name an extended resource such as nvidia.com/gpu"
+        )
 
 
 def plan_metadata(
@@ -131,13 +152,29 @@ def plugin_owner(host: Host, resource: str) -> str | None:
 
 def plugin_sharing(host: Host) -> Sharing:
     """The installed plugin's time-slicing settings (its config file), or none."""
+    config = _plugin_config(host)
+    if config is None:
+        return Sharing()
+    return Sharing(replicas=config.replicas, rename_by_default=config.rename_by_default)
+
+
+def plugin_resource(host: Host) -> str:
+    """The resource the installed gpunode plugin makes kubelet advertise: its resource-name, with ".shared"
+    when time-slicing renames it (rename-by-default); nvidia.com/gpu without a plugin config."""
+    config = _plugin_config(host)
+    if config is None:
+        return DEFAULT_RESOURCE
+    shared = config.replicas > 1 and config.rename_by_default
+    return f"{config.resource_name}.shared" if shared else config.resource_name
+
+
+def _plugin_config(host: Host) -> PluginConfig | None:
     from gpunode.plugin.config import load_config
     from gpunode.systemd.service import CONFIG_PATH
 
     if not host.is_file(CONFIG_PATH):
-        return Sharing()
-    config = load_config(host, config_path=CONFIG_PATH, env={})
-    return Sharing(replicas=config.replicas, rename_by_default=config.rename_by_default)
+        return None
+    return load_config(host, config_path=CONFIG_PATH, env={})
 
 
 def gpu_count(inventory: Inventory) -> int:
@@ -155,6 +192,8 @@ def advertise(
     *,
     dry_run: bool = False,
 ) -> Change:
+    if opts.capacity:
+        _check_resource(opts.resource)
     name, source = kubelet.node_name(host, opts.node)
     count = opts.count if opts.count is not None else gpu_count(inventory)
     if count < 0:
@@ -188,6 +227,8 @@ def advertise(
 def withdraw(
     host: Host, client: KubeClient, *, node: str | None, resource: str | None, dry_run: bool = False
 ) -> Change:
+    if resource is not None:
+        _check_resource(resource)
     name, source = kubelet.node_name(host, node)
     change = Change(node=name, node_source=source, resource=resource)
 

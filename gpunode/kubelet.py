@@ -49,12 +49,21 @@ KUBELET_CHECKPOINT = "/var/lib/kubelet/device-plugins/kubelet_internal_checkpoin
 
 
 def hostname_override(host: Host) -> str | None:
-    """kubelet's --hostname-override (or hostnameOverride in its config file): the node's name when set."""
-    for path in (KUBEADM_FLAGS, *KUBELET_DEFAULTS):
+    """kubelet's --hostname-override (or hostnameOverride in its config file): the node's name when set.
+
+    kubeadm's drop-in runs `kubelet … $KUBELET_KUBEADM_ARGS $KUBELET_EXTRA_ARGS`, and of a flag given twice
+    the last one counts: so /etc/default/kubelet (EXTRA_ARGS) wins over kubeadm-flags.env, the last
+    occurrence in a file wins, and any flag wins over the config file."""
+    for path in (*KUBELET_DEFAULTS, KUBEADM_FLAGS):
         text = host.read_text_if_exists(path) or ""
-        for line in text.splitlines():
-            if not line.lstrip().startswith("#") and (m := _HOSTNAME_FLAG.search(line)):
-                return m.group(1)
+        found = [
+            m.group(1)
+            for line in text.splitlines()
+            if not line.lstrip().startswith("#")
+            for m in _HOSTNAME_FLAG.finditer(line)
+        ]
+        if found:
+            return found[-1]
     config = host.read_text_if_exists(KUBELET_CONFIG)
     if config and (m := _HOSTNAME_KEY.search(config)):
         return m.group(1)

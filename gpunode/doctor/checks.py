@@ -664,11 +664,23 @@ def check_capacity(ctx: Context) -> Iterable[Finding]:
         yield Finding("node.capacity", Status.SKIP, "advertised capacity not checked: NVML cannot be used")
         return
     from gpunode import kubelet
-    from gpunode.advertise import DEFAULT_RESOURCE, gpu_count, plugin_sharing
+    from gpunode.advertise import gpu_count, plugin_resource, plugin_sharing
+    from gpunode.errors import UsageError
     from gpunode.kube.client import KubeClient, RetryPolicy, Timeouts
 
-    node, _ = kubelet.node_name(ctx.host)
-    resource = DEFAULT_RESOURCE
+    try:
+        node, _ = kubelet.node_name(ctx.host)
+    except UsageError as exc:
+        yield Finding(
+            "node.capacity",
+            Status.WARN,
+            f"advertised capacity not checked: {exc.message}",
+            fix="name the node: NODE_NAME=<name shown by `kubectl get nodes`> gpunode doctor",
+        )
+        return
+    # What the plugin makes kubelet advertise: its own resource name (nvidia.com/gpu.shared when
+    # time-slicing renames it), each GPU counted once per replica.
+    resource = plugin_resource(ctx.host)
     replicas = plugin_sharing(ctx.host).replicas
     expected = gpu_count(inventory) * replicas
     try:
@@ -694,7 +706,13 @@ def check_capacity(ctx: Context) -> Iterable[Finding]:
     present = f"{gpu_count(inventory)} GPU(s) present"
     if replicas > 1:
         present += f", {replicas} replicas each"
-    if expected and capacity in (None, "0"):
+    if not expected and capacity in (None, "0"):
+        yield Finding(
+            "node.capacity",
+            Status.OK,
+            f"node {node} advertises {'no' if capacity is None else capacity} {resource} ({present})",
+        )
+    elif expected and capacity in (None, "0"):
         yield Finding(
             "node.capacity",
             Status.FAIL,
