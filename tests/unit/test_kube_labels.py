@@ -3,7 +3,9 @@ patches that set them, remove the stale ones and never touch a label gpunode did
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -44,25 +46,10 @@ def inventory(
 
 DGX = inventory(*(a100(i) for i in range(8)))
 
-DGX_LABELS = {
-    "nvidia.com/gpu.present": "true",
-    "nvidia.com/gpu.count": "8",
-    "nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB",
-    "nvidia.com/gpu.memory": "81920",
-    "nvidia.com/gpu.family": "ampere",
-    "nvidia.com/gpu.compute.major": "8",
-    "nvidia.com/gpu.compute.minor": "0",
-    "nvidia.com/mig.capable": "true",
-    "nvidia.com/gpu.replicas": "1",
-    "nvidia.com/gpu.sharing-strategy": "none",
-    "nvidia.com/cuda.driver-version.major": "550",
-    "nvidia.com/cuda.driver-version.minor": "54",
-    "nvidia.com/cuda.driver-version.revision": "15",
-    "nvidia.com/cuda.driver-version.full": "550.54.15",
-    "nvidia.com/cuda.runtime-version.major": "12",
-    "nvidia.com/cuda.runtime-version.minor": "4",
-    "nvidia.com/cuda.runtime-version.full": "12.4",
-}
+# What NVIDIA's GPU feature discovery labels an 8 x A100 node with (driver 550.54.15, CUDA 12.4).
+DGX_LABELS: dict[str, str] = json.loads(
+    (Path(__file__).resolve().parent.parent / "fixtures/labels/dgx-a100.json").read_text()
+)
 
 
 # -- sanitise ---------------------------------------------------------------------------------------
