@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpunode.errors import CommandFailed
 from gpunode.host import CommandResult
 from gpunode.toolkit.managers import PACKAGES
 
@@ -37,6 +38,9 @@ class FakePackages:
         input: str | None = None,
     ) -> CommandResult:
         key = tuple(argv)
+        if key[0] not in ("rpm", "apt-get", "dnf", "yum", "zypper"):
+            # any other program is not installed on this node, as ScriptedRunner answers too
+            raise CommandFailed(f"`{key[0]}` is not installed (not found on PATH)")
         if key[0] == "rpm":
             lines = [
                 f"{p}\t{self.installed[p]}" if p in self.installed else f"package {p} is not installed"

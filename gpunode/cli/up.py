@@ -70,7 +70,7 @@ def up(
     from gpunode.cli.main import state
     from gpunode.errors import ExitCode, GpunodeError
     from gpunode.nvml.discovery import discover
-    from gpunode.up import UpOptions, plan_up, replan, run_steps
+    from gpunode.up import UpOptions, plan_up, run_steps
 
     host = state(ctx).host
     refuse_foreign_root(host, dry_run)
@@ -111,9 +111,9 @@ def up(
     def on_step(n: int, total: int, step: Step) -> None:
         typer.echo(f"==> [{n}/{total}] {step.name}: {step.summary}")
 
-    # Each step planned again just before it runs: an earlier step may have changed what it sees.
-    fresh = [replan(host, opts, discover, s.name) if s.needed else s for s in steps]
-    for step, result in run_steps(fresh, on_step):
+    # Each step's apply plans it again itself, just before it runs (an earlier step may have changed what
+    # it sees), so the plan printed above is not re-made here.
+    for step, result in run_steps(steps, on_step):
         typer.echo(f"    {step.name}: {result}")
     typer.echo("the node is set up; `gpunode doctor` checks it")
 

@@ -189,16 +189,23 @@ def plan_uninstall(host: Host) -> ToolkitPlan:
 
 
 def _runtimes_still_using_it(host: Host) -> list[str]:
+    """Runtimes whose configuration (drop-ins, imports and k3s/RKE2 layouts followed, as doctor reads them)
+    still runs nvidia-container-runtime: removing the toolkit breaks the containers that use it."""
+    from gpunode.runtimes import containerd, crio, docker
+
     found = []
-    for runtime, path in (
-        ("docker", "/etc/docker/daemon.json"),
-        ("containerd", "/etc/containerd/config.toml"),
-    ):
-        text = host.read_text_if_exists(path) if host.is_file(path) else None
-        if text and "nvidia-container-runtime" in text:
+    for runtime, read_state in (("docker", docker.read_state), ("containerd", containerd.read_state),
+                                ("crio", crio.read_state)):  # fmt: skip
+        try:
+            state = read_state(host)
+        except GpunodeError:
+            continue  # a configuration that cannot be read is doctor's to report, not uninstall's to fail on
+        if state.nvidia_runtime is not None:
             found.append(
-                f"{path} still names nvidia-container-runtime: containers asking for it will fail to start "
-                f"once it is removed (undo with `gpunode configure-runtime {runtime} --revert`)"
+                f"{state.config_path} still runs nvidia-container-runtime "
+                f"(runtime {state.nvidia_runtime!r}): containers asking for it will fail to start once it is "
+                "removed (undo with "
+                f"`gpunode configure-runtime {runtime} --revert`)"
             )
     return found
 

@@ -155,7 +155,7 @@ class Apt(PackageManager):
             fields = _deb822(paragraph)
             name = fields.get("Package")
             state = fields.get("Status", "").split()
-            if name in found and state[-1:] in (["installed"],):
+            if name in found and state[-1:] == ["installed"]:
                 found[name] = fields.get("Version")
         return found
 

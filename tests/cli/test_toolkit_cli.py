@@ -401,3 +401,24 @@ def test_foreign_root_with_real_commands_is_dry_run_only(
     code = main(["--root", str(tmp_path), "toolkit", "install", "--yes"])
     _, err = capsys.readouterr()
     assert code == ExitCode.USAGE and "works with --dry-run only" in err
+
+
+def test_uninstall_warns_when_a_runtime_still_runs_the_nvidia_runtime(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    host, _ = make_node(tmp_path, "apt")
+    assert cli(host, capsys, *install_args(tmp_path))[0] == ExitCode.OK
+    daemon = host.path("/etc/docker/daemon.json")
+    daemon.parent.mkdir(parents=True)
+    daemon.write_text('{"runtimes": {"nvidia": {"path": "nvidia-container-runtime", "runtimeArgs": []}}}\n')
+    broken = host.path("/etc/containerd/config.toml")
+    broken.parent.mkdir(parents=True)
+    broken.write_text("version = [\n")  # unreadable: doctor's to report; uninstall goes on
+    code, out, _ = cli(host, capsys, "uninstall", "--dry-run")
+    assert code == ExitCode.OK
+    assert (
+        "note: /etc/docker/daemon.json still runs nvidia-container-runtime (runtime 'nvidia'): containers "
+        "asking for it will fail to start once it is removed (undo with `gpunode configure-runtime docker "
+        "--revert`)"
+    ) in out
+    assert "containerd" not in out.split("note:", 1)[1]
