@@ -13,7 +13,7 @@ UNINSTALL=0
 PYTHON="${PYTHON:-}"
 SRC_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # Debian packages the test suite runs for real (see tests/README in the README's "Tests" section).
-DEV_DEBIAN_PACKAGES=(gcc libc6-dev containerd runc docker.io systemd-container gnupg dpkg-dev openssl)
+DEV_DEBIAN_PACKAGES=(gcc libc6-dev containerd runc docker.io systemd-container gnupg dpkg-dev openssl acl)
 
 usage() {
     cat <<EOF

@@ -66,6 +66,12 @@ class CommandFailed(GpunodeError):
     exit_code = ExitCode.COMMAND_FAILED
 
 
+class ConcurrentChange(GpunodeError):
+    """A file changed between gpunode reading it and replacing it: nothing was written over it."""
+
+    exit_code = ExitCode.ERROR
+
+
 class ApiError(GpunodeError):
     """The Kubernetes API refused a request or could not be reached: one sentence saying which."""
 

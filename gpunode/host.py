@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Protocol
 
-from gpunode.errors import CommandFailed, ConfigError, NotFound, PermissionDenied
+from gpunode.errors import CommandFailed, ConcurrentChange, ConfigError, NotFound, PermissionDenied
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 DEFAULT_TIMEOUT = 10.0
@@ -194,6 +194,13 @@ class WriteOutcome:
     backup: Path | None = None
 
 
+class _Unchecked:
+    """The `expect` of a write that does not check what it replaces."""
+
+
+UNCHECKED = _Unchecked()
+
+
 class Host:
     """One machine as gpunode sees it: files under `root`, commands through `runner`."""
 
@@ -229,6 +236,44 @@ class Host:
         if self.is_real_root:
             return Path(p)
         return self.root.joinpath(*self._resolve_parts(p, follow_last))
+
+    def canonical(self, host_path: str) -> str:
+        """The one name of the file `host_path` reaches: `//`, `/./`, `..` and every symlink resolved.
+
+        Records, backups and locks key a file by this name, so the same file reached through a link, its
+        target or an odd spelling is one file with one original. A part that does not exist yet is kept
+        as spelled (a drop-in about to be created).
+        """
+        p = PurePosixPath(host_path)
+        if not p.is_absolute():
+            raise ValueError(f"host paths are absolute, got {host_path!r}")
+        if self.is_real_root:
+            return os.path.realpath(p)
+        return "/" + "/".join(self._resolve_parts(p, True))
+
+    def dangling_link(self, host_path: str) -> str | None:
+        """The target of `host_path` when it is a symbolic link to nothing (None otherwise)."""
+        try:
+            link = self.path(host_path, follow_last=False)
+            if not link.is_symlink():
+                return None
+            target = self.path(host_path)
+        except (OSError, ConfigError):
+            return None
+        if target.exists():
+            return None
+        return os.readlink(link)
+
+    def refuse_dangling_link(self, host_path: str) -> None:
+        """A link to nothing is the operator's mistake to see, not a file for gpunode to create."""
+        dangling = self.dangling_link(host_path)
+        if dangling is not None:
+            raise NotFound(
+                f"{host_path} is a symbolic link to {dangling}, which does not exist; gpunode writes "
+                "through links and never replaces one",
+                f"create {dangling}, or replace the link {host_path} with a regular file, then run the "
+                "command again",
+            )
 
     def _resolve_parts(self, p: PurePosixPath, follow_last: bool) -> list[str]:
         resolved: list[str] = []
@@ -393,43 +438,47 @@ class Host:
         backup_to: str | None = None,
         make_parents: bool = False,
         temp_dir: str | None = None,
+        exact_mode: bool = False,
+        expect: str | bytes | _Unchecked | None = UNCHECKED,
     ) -> WriteOutcome:
         """Replace a file atomically.
 
         temp file in the same directory → fsync → rename → fsync the directory, so a crash leaves either
-        the old or the new file, never half of one. A symlinked path is written through to its target.
-        The existing file's mode and owner are kept (`mode` is for new files). Identical content is not
-        rewritten (same bytes, same mtime). With `backup_to` (a host path), the original is first copied
-        there, atomically too, unless a backup is already there: the backup is always the file as it was
-        before gpunode's first change.
+        the old or the new file, never half of one. A symlinked path is written through to its target (on
+        the real root too: a link is never replaced by a file); a link to nothing is refused. The existing
+        file's mode, owner and extended attributes (ACLs, SELinux label) are kept and `mode` is for new
+        files, unless `exact_mode`: a file that belongs to gpunode (a unit, a keyring) gets `mode` and the
+        caller's owner whatever was there. Identical content is not rewritten (same bytes, same mtime).
+        With `backup_to` (a host path), the original is first copied there, atomically too, unless a
+        backup is already there: the backup is always the file as it was before gpunode's first change.
+
+        `expect` is the content the caller planned from (None: no file). Under the lock, and again right
+        before the rename, the file must still be that; otherwise another program changed it meanwhile and
+        ConcurrentChange is raised with nothing written.
 
         `temp_dir` (a host path on the same filesystem) holds the temp file instead of the target's own
         directory: for a directory a runtime reads whole (crio.conf.d), where a temp file left by a killed
         process would be read as configuration. Temp files left by an earlier killed run are removed.
         """
         data = content.encode("utf-8") if isinstance(content, str) else content
-        target = self.path(host_path)  # every symlink on the way resolved, never leaving the root
+        expected = expect.encode("utf-8") if isinstance(expect, str) else expect
+        self.refuse_dangling_link(host_path)
+        target = self._write_target(host_path)  # every symlink on the way resolved, never leaving the root
         directory = target.parent
         if target.is_dir():
             raise ConfigError(f"{host_path} is a directory where a file was expected")
         if make_parents and not directory.exists():
-            self.make_dirs(str(PurePosixPath(host_path).parent))
+            self.make_dirs(str(PurePosixPath(self.canonical(host_path)).parent))
         if not directory.is_dir():
             parent = str(PurePosixPath(host_path).parent)
             raise NotFound(f"cannot write {host_path}: directory {parent} does not exist")
         tmp_directory = self.path(temp_dir) if temp_dir is not None else directory
         with _locked_directory(directory, host_path):
             _remove_stale_temps(target, {directory, tmp_directory})
-            try:
-                old = target.read_bytes()
-                st: os.stat_result | None = target.stat()
-            except FileNotFoundError:
-                old, st = None, None
-            except PermissionError as exc:
-                raise PermissionDenied(
-                    f"cannot read {host_path}: permission denied", "run gpunode as root (sudo)"
-                ) from exc
-            if old == data:
+            old, st = _read_current(target, host_path)
+            if not isinstance(expected, _Unchecked) and old != expected:
+                raise _changed_meanwhile(host_path)
+            if old == data and (not exact_mode or st is None or _has_mode(st, mode, self.euid)):
                 return WriteOutcome(target, changed=False)
             backup: Path | None = None
             if old is not None and st is not None and backup_to is not None:
@@ -437,16 +486,36 @@ class Host:
                 backup = self.path(backup_to)
                 _remove_stale_temps(backup, {backup.parent})
                 if not backup.exists():
-                    _atomic_write(backup, old, st.st_mode, st.st_uid, st.st_gid)
+                    _atomic_write(backup, old, st.st_mode, st.st_uid, st.st_gid, attrs_from=target)
+            if exact_mode:
+                new_mode, uid, gid = mode, self.euid, os.getegid()
+            elif st is not None:
+                new_mode, uid, gid = st.st_mode, st.st_uid, st.st_gid
+            else:
+                new_mode, uid, gid = mode, None, None
+
+            def still_as_planned() -> None:
+                if not isinstance(expected, _Unchecked) and _read_current(target, host_path)[0] != expected:
+                    raise _changed_meanwhile(host_path)
+
             _atomic_write(
                 target,
                 data,
-                st.st_mode if st else mode,
-                st.st_uid if st else None,
-                st.st_gid if st else None,
+                new_mode,
+                uid,
+                gid,
                 tmp_directory=tmp_directory,
+                attrs_from=target if st is not None else None,
+                before_rename=still_as_planned,
             )
             return WriteOutcome(target, changed=True, backup=backup)
+
+    def _write_target(self, host_path: str) -> Path:
+        # On the real root the kernel would resolve links on open, but a rename replaces the link itself:
+        # resolve it here, as path() does under another root.
+        if self.is_real_root:
+            return Path(os.path.realpath(host_path))
+        return self.path(host_path)
 
     def read_bytes(self, host_path: str) -> bytes | None:
         """A file's exact bytes (to compare byte for byte); None when it does not exist."""
@@ -459,10 +528,21 @@ class Host:
             raise ConfigError(f"{host_path} is a directory where a file was expected") from exc
 
     def remove_file(self, host_path: str) -> bool:
-        """Delete a file (durably: the directory is fsynced). False when it was not there."""
+        """Delete a file (durably: the directory is fsynced). False when it was not there.
+
+        A symbolic link is never deleted: it is the operator's, and a link gpunode wrote through still
+        points at the file that was put back."""
         target = self.path(host_path, follow_last=False)
+        if target.is_symlink():
+            raise ConfigError(
+                f"{host_path} is a symbolic link; gpunode does not remove links",
+                f"remove {host_path} by hand if it should go",
+            )
         try:
             with _permission("remove", host_path):
+                if target.parent.is_dir():
+                    with _locked_directory(target.parent, host_path):
+                        _remove_stale_temps(target, {target.parent})  # left by a write killed midway
                 target.unlink()
         except FileNotFoundError:
             return False
@@ -538,6 +618,51 @@ def _wait_for_lock(try_lock: Callable[[], None], host_path: str, timeout: float 
 TEMP_SUFFIX = ".gpunode-tmp"
 
 
+def _changed_meanwhile(host_path: str) -> ConcurrentChange:
+    return ConcurrentChange(
+        f"{host_path} was changed by another program while gpunode was working on it; gpunode did not "
+        "write it",
+        "check what changed it, then run the command again (it plans from the file as it is then)",
+    )
+
+
+def _read_current(target: Path, host_path: str) -> tuple[bytes | None, os.stat_result | None]:
+    try:
+        with open(target, "rb") as fh:
+            return fh.read(), os.fstat(fh.fileno())
+    except FileNotFoundError:
+        return None, None
+    except PermissionError as exc:
+        raise PermissionDenied(
+            f"cannot read {host_path}: permission denied", "run gpunode as root (sudo)"
+        ) from exc
+
+
+def _has_mode(st: os.stat_result, mode: int, uid: int) -> bool:
+    return stat.S_IMODE(st.st_mode) == stat.S_IMODE(mode) and st.st_uid == uid
+
+
+def _copy_xattrs(source: Path, fd: int, target: Path) -> None:
+    """Extended attributes of `source` onto the open file `fd`: POSIX ACLs (system.posix_acl_access), the
+    SELinux label (security.selinux), capabilities, user attributes. A filesystem without them has none
+    to keep; one that has them and refuses a copy stops the write rather than drop them silently."""
+    try:
+        names = os.listxattr(source)
+    except OSError as exc:
+        if exc.errno in (errno.ENOTSUP, errno.ENOENT):
+            return
+        raise
+    for name in names:
+        try:
+            value = os.getxattr(source, name)
+            os.setxattr(fd, name, value)
+        except OSError as exc:
+            raise PermissionDenied(
+                f"cannot keep the extended attribute {name} of {target}: {exc.strerror or exc}",
+                "run gpunode as root, on a filesystem that supports the attribute",
+            ) from exc
+
+
 def _remove_stale_temps(target: Path, directories: set[Path]) -> None:
     # Only temps for this very file: their writer held the same directory lock we hold now.
     for directory in directories:
@@ -554,6 +679,8 @@ def _atomic_write(
     gid: int | None,
     *,
     tmp_directory: Path | None = None,
+    attrs_from: Path | None = None,
+    before_rename: Callable[[], None] | None = None,
 ) -> None:
     directory = target.parent
     tmp_dir = tmp_directory or directory
@@ -568,19 +695,24 @@ def _atomic_write(
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()
-            os.fchmod(fh.fileno(), stat.S_IMODE(mode))
             if uid is not None and gid is not None:
                 # Only root may give a file away; a non-root writer already owns what it may write.
                 with contextlib.suppress(PermissionError):
                     os.fchown(fh.fileno(), uid, gid)
+            if attrs_from is not None:
+                _copy_xattrs(attrs_from, fh.fileno(), target)
+            # After the ACL: setting system.posix_acl_access rewrites the group bits from its mask.
+            os.fchmod(fh.fileno(), stat.S_IMODE(mode))
             os.fsync(fh.fileno())
+        if before_rename is not None:
+            before_rename()
         try:
             os.rename(tmp, target)
         except OSError as exc:
             if exc.errno != errno.EXDEV:
                 raise
             tmp.unlink()  # another filesystem after all: the target's own directory will do
-            _atomic_write(target, data, mode, uid, gid)
+            _atomic_write(target, data, mode, uid, gid, attrs_from=attrs_from, before_rename=before_rename)
             return
     except BaseException as exc:
         with contextlib.suppress(FileNotFoundError):

@@ -129,7 +129,10 @@ def _render_outcome(outcome: Outcome, restarted: bool, revert_hint: str) -> None
         typer.echo(f"the original is kept in {backup}")
     if outcome.restarted:
         typer.echo(f"restarted {plan.unit}: {outcome.restarted}")
-    elif outcome.changed and not restarted:
-        typer.echo(f"restart {plan.runtime} for the change to take effect (systemctl restart {plan.unit})")
+    elif outcome.restart_pending or (outcome.changed and not restarted):
+        typer.echo(
+            f"restart {plan.runtime} for the change to take effect (systemctl restart {plan.unit}, or run "
+            "this command again with --restart)"
+        )
     if outcome.changed and not plan.revert:
         typer.echo(f"undo with: {revert_hint}")

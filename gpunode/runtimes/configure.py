@@ -10,7 +10,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from gpunode.errors import CommandFailed, GpunodeError, NotFound, UsageError
+from gpunode.errors import CommandFailed, ConcurrentChange, GpunodeError, NotFound, UsageError
 from gpunode.host import Host
 from gpunode.kubelet import kubelet_runtime
 from gpunode.runtimes import containerd as ctd
@@ -74,6 +74,11 @@ def plan_configure(host: Host, runtime: str, opts: ConfigureOptions) -> RuntimeP
         "crio": plan_crio,
     }[runtime]
     plan = planner(host, opts)
+    for change in plan.pending:
+        host.refuse_dangling_link(change.path)  # in the plan, so that a dry run says it too
+    # One file, one name: records, backups and locks key a file by its canonical path, so the same file
+    # reached through a link or another spelling keeps its one original.
+    plan = replace(plan, changes=tuple(replace(c, path=host.canonical(c.path)) for c in plan.changes))
     fmt: Format = JsonFormat() if runtime == "docker" else TomlFormat()
     for change in plan.pending:
         if change.after is not None:
@@ -92,11 +97,14 @@ def plan_configure(host: Host, runtime: str, opts: ConfigureOptions) -> RuntimeP
 
 def plan_revert(host: Host, runtime: str, opts: ConfigureOptions) -> RuntimePlan:
     """Put back every file gpunode changed for `runtime` (or only --config / --drop-in when given)."""
-    known = records.load(host).for_runtime(runtime)
-    wanted = {p for p in (opts.config, opts.drop_in) if p}
+    loaded = records.load(host)
+    known = loaded.for_runtime(runtime)
+    wanted = {host.canonical(p) for p in (opts.config, opts.drop_in) if p}
     if wanted:
         known = [r for r in known if r.path in wanted]
-    if not known:
+    if not known and runtime in loaded.restart_pending:
+        known = []  # every file is back; only the restart that makes the runtime read them is left
+    elif not known:
         raise NotFound(
             f"gpunode has no record of changing {runtime}'s configuration"
             + (f" in {', '.join(sorted(wanted))}" if wanted else "")
@@ -130,10 +138,8 @@ def _revert_file(host: Host, record: records.FileRecord) -> tuple[FileChange, li
     if digest == record.original_sha256:
         note = f"{record.path} is already as it was before gpunode"
         return FileChange(record.path, current, current), [note]
-    original: str | None = None
-    have_original = record.backup is None or host.exists(record.backup)
-    if record.backup is not None and have_original:
-        original = host.read_text(record.backup)
+    original = records.trusted_backup(host, record)
+    have_original = record.backup is None or original is not None
     if digest == record.written_sha256 and have_original:
         return FileChange(record.path, current, original), []  # byte for byte what was there before
     if current is None:
@@ -167,6 +173,7 @@ class Outcome:
     removed: list[str] = field(default_factory=list)
     backups: list[str] = field(default_factory=list)
     restarted: str | None = None  # what the restarted runtime said
+    restart_pending: bool = False  # the runtime has not read what gpunode wrote yet
 
     @property
     def changed(self) -> bool:
@@ -183,10 +190,12 @@ def apply(
     """Carry the plan out: backups and records first, then each file atomically, then restart + verify.
 
     Any failure puts back the files this run changed (and the records), so the node is left as it was.
+    A revert writes the files before the records: the record never forgets a change before the file is
+    restored, so a revert killed at any point is finished by the next one.
     """
     outcome = Outcome(plan)
     old_records = records.load(host)
-    new_records = records.Records(dict(old_records.files))
+    new_records = records.Records(dict(old_records.files), set(old_records.restart_pending))
     # Files whose original is the file as it is now: no record yet, or one left by a run that stopped
     # before writing (the file still has the original's checksum). Their backup is taken (again) now.
     fresh: set[str] = set()
@@ -205,26 +214,45 @@ def apply(
             plan.runtime, change.path, change.before, change.after, change.edits, owned=change.owned
         )
     pending = plan.pending
-    if not pending and new_records.files == old_records.files:
+    # --restart restarts a runtime gpunode changed and never restarted, even with nothing left to write.
+    do_restart = restart and bool(pending or plan.runtime in old_records.restart_pending)
+    if plan.revert and not new_records.for_runtime(plan.runtime):
+        # Nothing of gpunode's is left for the runtime to read; without a restart now, the operator is told
+        # to restart it, as after any change gpunode does not restart for.
+        new_records.restart_pending.discard(plan.runtime)
+    elif pending:
+        new_records.restart_pending.add(plan.runtime)
+    if not pending and new_records == old_records and not do_restart:
         return outcome
     done: list[FileChange] = []
     try:
-        for path in sorted(fresh):
-            host.remove_file(records.backup_path(path))  # a stale copy from an older cycle
-        # The record goes first: a crash after it leaves files that are still the originals, which
-        # revert and the next run recognise by their checksum.
-        records.save(host, new_records)
-        for change in pending:
-            # Counted before the write: a failure after the rename (the directory fsync) has already
-            # replaced the file. Rolling back a file that was not replaced is a no-op.
-            done.append(change)
-            _write(host, change, plan, first=change.path in fresh, outcome=outcome)
-        if restart and pending:
+        if plan.revert:
+            for change in pending:
+                done.append(change)
+                _write(host, change, plan, first=False, outcome=outcome)
+            # Then the backups, then the record: a revert killed in between finds every file back as it
+            # was (or its record still there) and ends the job.
+            _remove_backups(host, plan, old_records)
+            records.save(host, new_records)
+        else:
+            for path in sorted(fresh):
+                host.remove_file(records.backup_path(path))  # a stale copy from an older cycle
+            # The record goes first: a crash after it leaves files that are still the originals, which
+            # revert and the next run recognise by their checksum.
+            records.save(host, new_records)
+            for change in pending:
+                # Counted before the write: a failure after the rename (the directory fsync) has already
+                # replaced the file. Rolling back a file that was not replaced is a no-op.
+                done.append(change)
+                _write(host, change, plan, first=change.path in fresh, outcome=outcome)
+        if do_restart:
             service.restart(host, plan)
             outcome.restarted = service.wait_until_ready(host, plan, timeout=ready_timeout)
     except (GpunodeError, OSError) as exc:
+        if isinstance(exc, ConcurrentChange) and done:
+            done.pop()  # refused before its rename: that file is the other program's, not gpunode's
         restored = _roll_back(host, done, old_records, fresh, plan.runtime)
-        if restart and done and isinstance(exc, CommandFailed):
+        if do_restart and done and isinstance(exc, CommandFailed):
             try:
                 service.restart(host, plan)
                 restored = restored.rstrip(".") + f", and restarted {plan.unit} with it."
@@ -234,12 +262,18 @@ def apply(
             exc.message += f"\n{restored}"
             raise
         raise CommandFailed(f"writing the configuration failed: {exc}\n{restored}") from exc
-    if plan.revert:
-        for record_path in (c.path for c in plan.changes):
-            old = old_records.files.get(record_path)
-            if old is not None and old.backup is not None:
-                host.remove_file(old.backup)
+    if do_restart:
+        new_records.restart_pending.discard(plan.runtime)
+        records.save(host, new_records)
+    outcome.restart_pending = plan.runtime in new_records.restart_pending
     return outcome
+
+
+def _remove_backups(host: Host, plan: RuntimePlan, old_records: records.Records) -> None:
+    for record_path in (c.path for c in plan.changes):
+        old = old_records.files.get(record_path)
+        if old is not None and old.backup is not None:
+            host.remove_file(old.backup)
 
 
 def _write(host: Host, change: FileChange, plan: RuntimePlan, *, first: bool, outcome: Outcome) -> None:
@@ -252,6 +286,7 @@ def _write(host: Host, change: FileChange, plan: RuntimePlan, *, first: bool, ou
     result = host.write_file(
         change.path,
         change.after,
+        expect=change.before,
         mode=change.mode,
         backup_to=backup,
         make_parents=plan.standard_location,
@@ -262,6 +297,10 @@ def _write(host: Host, change: FileChange, plan: RuntimePlan, *, first: bool, ou
         outcome.backups.append(backup)
 
 
+def _encoded(text: str | None) -> bytes | None:
+    return None if text is None else text.encode("utf-8")
+
+
 def _roll_back(
     host: Host, done: list[FileChange], old_records: records.Records, fresh: set[str], plan_runtime: str
 ) -> str:
@@ -269,10 +308,17 @@ def _roll_back(
     failed: list[str] = []
     for change in reversed(done):
         try:
+            current = host.read_bytes(change.path)
+            if current == _encoded(change.before):
+                continue  # never replaced (the failure came first), or already back
+            if current != _encoded(change.after):
+                # Another program wrote it after gpunode: its content is not gpunode's to throw away.
+                failed.append(f"{change.path} (changed by another program since; left as it is)")
+                continue
             if change.before is None:
                 host.remove_file(change.path)
             else:
-                host.write_file(change.path, change.before)
+                host.write_file(change.path, change.before, expect=change.after)
         except (GpunodeError, OSError) as exc:
             failed.append(f"{change.path} ({exc})")
     if not failed:

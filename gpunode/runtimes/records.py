@@ -73,6 +73,9 @@ class FileRecord:
 @dataclass
 class Records:
     files: dict[str, FileRecord] = field(default_factory=dict)
+    # Runtimes whose configuration gpunode changed and that have not been restarted since: set before the
+    # first file is written, cleared once the runtime came back, so a run killed in between is detected.
+    restart_pending: set[str] = field(default_factory=set)
 
     def for_runtime(self, runtime: str) -> list[FileRecord]:
         return [r for r in self.files.values() if r.runtime == runtime]
@@ -103,26 +106,66 @@ class Records:
 
 
 def load(host: Host) -> Records:
+    """The records, keyed by each file's canonical name (see Host.canonical)."""
     text = host.read_text_if_exists(RECORDS)
     if text is None:
         return Records()
     try:
         data = json.loads(text)
-        files = {path: FileRecord.from_json(path, entry) for path, entry in data["files"].items()}
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        files: dict[str, FileRecord] = {}
+        for path, entry in data["files"].items():
+            if not isinstance(path, str) or not path.startswith("/"):
+                raise ValueError(f"{path!r} is not an absolute path")
+            record = FileRecord.from_json(host.canonical(path), entry)
+            files.setdefault(record.path, record)
+        pending = {str(r) for r in data.get("restart_pending", [])}
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         raise ConfigError(
             f"{RECORDS} is damaged ({exc}): gpunode cannot tell what it changed",
             f"the originals are under {BACKUP_DIR}; restore by hand, then remove {RECORDS}",
         ) from None
-    return Records(files)
+    return Records(files, pending)
 
 
 def save(host: Host, records: Records) -> None:
-    if not records.files:
+    if not records.files and not records.restart_pending:
         host.remove_file(RECORDS)
         return
-    data = {
+    data: dict[str, Any] = {
         "version": FORMAT_VERSION,
         "files": {path: record.to_json() for path, record in sorted(records.files.items())},
     }
-    host.write_file(RECORDS, json.dumps(data, indent=2) + "\n", mode=0o600, make_parents=True)
+    if records.restart_pending:
+        data["restart_pending"] = sorted(records.restart_pending)
+    host.write_file(
+        RECORDS, json.dumps(data, indent=2) + "\n", mode=0o600, make_parents=True, exact_mode=True
+    )
+
+
+def trusted_backup(host: Host, record: FileRecord) -> str | None:
+    """The original's content from the record's backup, after checking that the record may be believed: the
+    backup lies where gpunode keeps backups and holds exactly what the record says the original was.
+    None when the record has no backup or the backup is gone."""
+    if record.backup is None:
+        return None
+    where = host.canonical(record.backup)
+    if not where.startswith(BACKUP_DIR + "/"):
+        raise ConfigError(
+            f"{RECORDS} names {record.backup} as the backup of {record.path}, which is outside {BACKUP_DIR}; "
+            "gpunode does not restore from it",
+            f"check {RECORDS} (someone changed it), restore {record.path} by hand, then remove its entry",
+        )
+    data = host.read_bytes(record.backup)
+    if data is None:
+        return None
+    if sha256(data) != record.original_sha256:
+        raise ConfigError(
+            f"the backup {record.backup} of {record.path} is not the original gpunode recorded (its "
+            "checksum differs); gpunode does not restore from it",
+            f"compare {record.backup} with {record.path} and restore by hand, then remove the entry for "
+            f"{record.path} from {RECORDS}",
+        )
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"the backup {record.backup} of {record.path} is not UTF-8 text") from None
