@@ -280,3 +280,6 @@ def _print_state(current: Any) -> None:
             f"  {resource.get('name')}: {resource.get('healthy')}/{resource.get('devices')} healthy, "
             f"{state_text} ({resource.get('socket')})"
         )
+    # Schedulable, but their faults go unseen: "cannot monitor" is not "unhealthy".
+    for gpu in plugin.get("unmonitored") or []:
+        typer.echo(f"  unmonitored: GPU {gpu.get('index')} ({gpu.get('uuid')}): {gpu.get('reason')}")

@@ -583,6 +583,7 @@ def check_plugin(ctx: Context) -> Iterable[Finding]:
     nvidia = host.is_socket(paths.NVIDIA_PLUGIN_SOCKET)
     if state == "active" and ours:
         yield Finding("plugin", Status.OK, f"gpunode device plugin running ({ours})")
+        yield from _unmonitored_gpus(host)
     elif state == "active":
         yield Finding(
             "plugin",
@@ -611,6 +612,31 @@ def check_plugin(ctx: Context) -> Iterable[Finding]:
             fix="install gpunode's device plugin as a service: `sudo gpunode plugin install`, or deploy "
             "NVIDIA's k8s-device-plugin DaemonSet",
         )
+
+
+def _unmonitored_gpus(host: Host) -> Iterable[Finding]:
+    """GPUs the running plugin serves but cannot watch (from its status file): still schedulable, but a
+    fault on them would go unnoticed. A warning, never a failure: "cannot monitor" is not "unhealthy"."""
+    import json
+
+    try:
+        document = json.loads(host.read_text_if_exists(paths.PLUGIN_STATUS_FILE) or "{}")
+    except (GpunodeError, ValueError):
+        return
+    gpus = document.get("unmonitored") if isinstance(document, dict) else None
+    if not gpus or not isinstance(gpus, list):
+        return
+    lines = [
+        f"GPU {g.get('index')} ({g.get('uuid')}): {g.get('reason')}" for g in gpus if isinstance(g, dict)
+    ]
+    yield Finding(
+        "plugin.health",
+        Status.WARN,
+        f"the device plugin cannot watch the health of {len(lines)} GPU(s); they stay schedulable",
+        detail="\n".join(lines),
+        fix=f"`journalctl -u {paths.PLUGIN_SERVICE}` says why; usually a driver too old for NVML events or "
+        "the plugin running without root: update the driver, run the plugin as root",
+    )
 
 
 def _our_plugin_sockets(host: Host) -> list[str]:
