@@ -1,7 +1,5 @@
 """`python -m gpunode`."""
 
-import sys
+from gpunode.cli.entry import run
 
-from gpunode.cli.main import main
-
-sys.exit(main())
+run()

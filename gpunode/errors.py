@@ -24,6 +24,7 @@ class ExitCode(IntEnum):
     API = 9  # the Kubernetes API refused or could not be reached
     INTERNAL = 70  # a bug in gpunode (EX_SOFTWARE)
     INTERRUPTED = 130  # Ctrl-C
+    BROKEN_PIPE = 141  # the reader of the output went away (`| head -1`), as for a program SIGPIPE ends
 
 
 class GpunodeError(Exception):

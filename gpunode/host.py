@@ -581,9 +581,26 @@ def _permission(action: str, host_path: str) -> Iterator[None]:
     try:
         yield
     except PermissionError as exc:
+        if os.geteuid() == 0 and exc.errno == errno.EPERM:
+            # Root is refused only by an attribute: immutable or append-only (chattr +i / +a).
+            raise PermissionDenied(
+                f"cannot {action} {host_path}: operation not permitted, even to root",
+                f"see `lsattr {host_path}`: an immutable or append-only attribute must be lifted first",
+            ) from exc
         raise PermissionDenied(
             f"cannot {action} {host_path}: permission denied", "run gpunode as root (sudo)"
         ) from exc
+    except OSError as exc:
+        if exc.errno != errno.EROFS:
+            raise
+        raise _read_only(action, host_path) from exc
+
+
+def _read_only(action: str, where: str) -> PermissionDenied:
+    return PermissionDenied(
+        f"cannot {action} {where}: the filesystem is read-only",
+        "remount it read-write (or point gpunode at a writable root), then run the command again",
+    )
 
 
 @contextlib.contextmanager
@@ -690,6 +707,10 @@ def _atomic_write(
         raise PermissionDenied(
             f"cannot write in {directory}: permission denied", "run gpunode as root (sudo)"
         ) from exc
+    except OSError as exc:
+        if exc.errno == errno.EROFS:
+            raise _read_only("write in", str(directory)) from exc
+        raise
     tmp = Path(tmp_name)
     try:
         with os.fdopen(fd, "wb") as fh:
@@ -708,6 +729,15 @@ def _atomic_write(
             before_rename()
         try:
             os.rename(tmp, target)
+        except PermissionError as exc:
+            if os.geteuid() == 0:
+                raise PermissionDenied(
+                    f"cannot replace {target}: operation not permitted, even to root",
+                    f"see `lsattr {target}`: an immutable or append-only attribute must be lifted first",
+                ) from exc
+            raise PermissionDenied(
+                f"cannot replace {target}: permission denied", "run gpunode as root (sudo)"
+            ) from exc
         except OSError as exc:
             if exc.errno != errno.EXDEV:
                 raise

@@ -306,6 +306,7 @@ def _roll_back(
 ) -> str:
     """Put back what this run wrote; say what could not be put back rather than hide it."""
     failed: list[str] = []
+    put_back: list[str] = []
     for change in reversed(done):
         try:
             current = host.read_bytes(change.path)
@@ -319,6 +320,7 @@ def _roll_back(
                 host.remove_file(change.path)
             else:
                 host.write_file(change.path, change.before, expect=change.after)
+            put_back.append(change.path)
         except (GpunodeError, OSError) as exc:
             failed.append(f"{change.path} ({exc})")
     if not failed:
@@ -330,10 +332,9 @@ def _roll_back(
             failed.append(f"{records.RECORDS} ({exc})")
     # Otherwise the record and backups stay: they describe the files as they are, so --revert works
     # once whatever failed is fixed.
-    restored = [c.path for c in done if not any(f.startswith(f"{c.path} (") for f in failed)]
-    said = "gpunode changed no file." if not done else ""
-    if restored:
-        said = "gpunode put back the previous content of " + ", ".join(restored) + "."
+    said = "gpunode changed no file." if not put_back else ""
+    if put_back:
+        said = "gpunode put back the previous content of " + ", ".join(reversed(put_back)) + "."
     if failed:
         said += (
             " It could not put back: "

@@ -30,6 +30,22 @@ def parse_daemon_json(text: str, path: str) -> dict[str, Any]:
             f"{path} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}",
             f"correct line {exc.lineno} of {path}; dockerd refuses to start with the file as it is",
         ) from None
+    except RecursionError:
+        raise ConfigError(
+            f"{path} nests arrays or objects too deeply for gpunode to read",
+            f"correct {path}: no daemon.json needs more than a few levels",
+        ) from None
+    except ValueError as exc:  # an integer of thousands of digits (Python's int conversion limit)
+        raise ConfigError(f"{path} holds a value gpunode cannot read: {exc}", f"correct {path}") from None
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        escape = f"\\u{ord(exc.object[exc.start]):04x}"
+        raise ConfigError(
+            f"{path} holds a lone UTF-16 surrogate escape ({escape}), which is not a character; dockerd "
+            "would read it as U+FFFD",
+            f"correct {path}: write the character itself, or a complete surrogate pair",
+        ) from None
     if not isinstance(data, dict):
         raise ConfigError(
             f"{path} must hold a JSON object ({{...}}) at the top level, not {_json_kind(data)}",
