@@ -12,6 +12,7 @@ import contextlib
 import errno
 import fcntl
 import os
+import shutil
 import stat
 import subprocess
 import tempfile
@@ -66,6 +67,19 @@ class Runner(Protocol):
     ) -> CommandResult: ...
 
 
+def _with_program_path(argv: Sequence[str]) -> Sequence[str]:
+    """argv with its program found as Host.which finds it: the caller's PATH, then the standard directories
+    (sbin included), so that cron's or Ansible's short PATH runs the same program as a login shell."""
+    if not argv or "/" in argv[0]:
+        return argv
+    path = os.pathsep.join([*os.environ.get("PATH", "").split(os.pathsep), *DEFAULT_PATH.split(":")])
+    try:
+        found = shutil.which(argv[0], path=path)
+    except OSError:
+        found = None
+    return argv if found is None else [found, *argv[1:]]
+
+
 class SubprocessRunner:
     """The real runner. A program that cannot start or runs past its timeout raises CommandFailed."""
 
@@ -79,6 +93,7 @@ class SubprocessRunner:
     ) -> CommandResult:
         start = time.monotonic()
         full_env = None if env is None else {**os.environ, **env}
+        argv = _with_program_path(argv)
         try:
             proc = subprocess.run(
                 list(argv),
@@ -112,6 +127,7 @@ class SubprocessRunner:
         shows them) to `on_line` as it comes. The result's stdout holds the last STREAM_KEEP lines."""
         start = time.monotonic()
         full_env = None if env is None else {**os.environ, **env}
+        argv = _with_program_path(argv)
         try:
             proc = subprocess.Popen(
                 list(argv),
@@ -385,14 +401,26 @@ class Host:
             return None
 
     def which(self, program: str) -> str | None:
-        """The host path of `program` on the host's PATH, looked up under the root."""
-        for directory in self.env.get("PATH", DEFAULT_PATH).split(os.pathsep):
-            if not directory.startswith("/"):
+        """The host path of `program` on the host's PATH, then in the standard directories, looked up under
+        the root.
+
+        The sbin directories are always searched: cron, Ansible and non-login shells run gpunode with a PATH
+        that lacks them, and the same program must be found whoever calls. A directory that cannot be
+        looked into (permission, a link loop) is skipped, as a shell skips it.
+        """
+        searched: list[str] = []
+        for entry in [*self.env.get("PATH", DEFAULT_PATH).split(os.pathsep), *DEFAULT_PATH.split(":")]:
+            directory = entry.rstrip("/") or "/"
+            if not directory.startswith("/") or directory in searched:
                 continue
+            searched.append(directory)
             candidate = f"{directory.rstrip('/')}/{program}"
-            local = self.path(candidate)
-            if local.is_file() and os.access(local, os.X_OK):
-                return candidate
+            try:
+                local = self.path(candidate)
+                if local.is_file() and os.access(local, os.X_OK):
+                    return candidate
+            except (OSError, ConfigError):
+                continue
         return None
 
     # -- commands ------------------------------------------------------------------------------

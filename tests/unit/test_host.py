@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -259,3 +261,55 @@ def test_stream_replays_a_scripted_runners_output() -> None:
     lines: list[str] = []
     result = Host(runner=runner).stream(["apt-get", "update"], timeout=5, on_line=lines.append)
     assert lines == ["Hit:1 x", "Done"] and result.ok
+
+
+# -- programs are found whatever the caller's PATH ---------------------------------------------------------
+
+
+def test_which_always_searches_the_sbin_directories(tmp_path: Path) -> None:
+    """cron, Ansible and non-login shells give gpunode a PATH without /usr/sbin (dockerd, crio live there)."""
+    program = tmp_path / "usr/sbin/dockerd"
+    program.parent.mkdir(parents=True)
+    program.write_text("#!/bin/sh\n")
+    program.chmod(0o755)
+    host = Host(root=tmp_path, env={"PATH": "/usr/bin:/bin"})
+    assert host.which("dockerd") == "/usr/sbin/dockerd"
+    assert Host(root=tmp_path, env={}).which("dockerd") == "/usr/sbin/dockerd"
+
+
+def test_the_runner_runs_a_program_from_sbin_with_a_short_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    sbin = next(
+        (d for d in ("/usr/sbin", "/sbin") if os.access(f"{d}/blkid", os.X_OK)),
+        None,
+    )
+    assert sbin is not None, "blkid (util-linux) is in /usr/sbin on every Debian system"
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    result = SubprocessRunner().run(["blkid", "--version"], timeout=30)
+    assert result.ok and "blkid" in result.stdout
+
+
+def test_a_path_entry_the_user_cannot_read_is_skipped(tmp_path: Path) -> None:
+    """As a non-root user with an unreadable directory first on PATH (a real permission check: the child
+    drops to nobody), which() and a whole doctor run go on instead of failing as 'a bug'."""
+    if os.geteuid() != 0:
+        if os.environ.get("CI"):
+            pytest.fail("this test drops privileges to nobody and needs to start as root")
+        pytest.skip("needs root to drop to nobody")
+    secret = tmp_path / "secret"
+    secret.mkdir(mode=0o700)
+    tmp_path.chmod(0o755)
+    child = (
+        "import os, sys\n"
+        "os.setgid(65534); os.setuid(65534)\n"
+        "from gpunode.host import Host\n"
+        "print(Host().which('sh'))\n"
+        "from gpunode.cli.main import main\n"
+        "sys.exit(main(['doctor']))\n"
+    )
+    env = {**os.environ, "PATH": f"{secret}:/usr/bin:/bin", "HOME": str(tmp_path)}
+    result = subprocess.run(
+        [sys.executable, "-c", child], env=env, capture_output=True, text=True, check=False, timeout=120
+    )
+    assert result.stdout.splitlines()[0] == "/usr/bin/sh", result.stderr
+    assert result.returncode in (0, 1), result.stderr
+    assert "internal error" not in result.stdout + result.stderr
