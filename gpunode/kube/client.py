@@ -1,14 +1,17 @@
 """A small Kubernetes API client for what gpunode does to its Node: read it, patch it, patch its status.
 
-Built on requests (imported here, never at gpunode's import). Every call has a connect and a read timeout.
-Connection failures, 429 and 500/502/503/504 are retried a bounded number of times with exponential
-backoff and jitter (Retry-After honoured); a read timeout is not retried, since a hung server would make
-the user wait the timeout again for each try. Read-modify-write operations (`update_node_status`,
+Built on requests (imported here, never at gpunode's import). Every call has a connect timeout, a read
+timeout, and an overall deadline for the whole answer, whose size is bounded too (gpunode.kube.transport):
+a server that trickles its answer or sends without end is cut off with a clear error. Connection
+failures, 429 and 500/502/503/504 are retried a bounded number of times with exponential backoff and
+jitter (Retry-After honoured); a read timeout or a missed deadline is not retried, since a hung server
+would make the user wait the timeout again for each try. Read-modify-write operations (`update_node_status`,
 `update_node`) carry the resourceVersion they read, so a concurrent writer makes the server answer 409,
 and the read, the computation and the write are then done again.
 
 Every failure is an ApiError whose message is one sentence naming what failed and why; the bearer token
-never appears in a message, a log line or a repr.
+never appears in a message, a log line or a repr — nor in the exceptions a message was made from, which
+`--debug` prints: an error whose cause mentions a secret is raised without that cause.
 """
 
 from __future__ import annotations
@@ -38,15 +41,20 @@ import requests
 import urllib3
 
 from gpunode import __version__
-from gpunode.errors import ApiError, ConfigError, UsageError
+from gpunode.errors import ApiError, ConfigError, GpunodeError, UsageError
 from gpunode.host import Host
+from gpunode.kube import transport
 from gpunode.kube.credentials import Credentials, Pem, resolve_credentials
+from gpunode.kube.transport import Answer
 
 log = logging.getLogger("gpunode.kube")
 
 JSON_PATCH = "application/json-patch+json"
 MERGE_PATCH = "application/merge-patch+json"
 RETRIED_STATUSES = frozenset({429, 500, 502, 503, 504})
+# A Node object is a few KiB to a few hundred (kubelet lists at most 50 images in its status); an answer
+# this large is not one, and reading it whole would only fill the memory.
+MAX_ANSWER_BYTES = 16 * 2**20
 # RFC 1123 subdomain, the rule for node names: also keeps "..", "/" and "?" out of the URL path.
 _NODE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _FORBIDDEN = re.compile(r'User "(?P<user>[^"]*)" cannot (?P<verb>\S+) resource "(?P<resource>[^"]*)"')
@@ -56,10 +64,17 @@ JsonPatch = list[dict[str, Any]]
 
 @dataclass(frozen=True)
 class Timeouts:
-    """Seconds to wait for the TCP/TLS connection, and then for each read of the answer."""
+    """Seconds to wait for the TCP/TLS connection, for each read of the answer, and for the whole request
+    (connecting, the headers and the last byte of the body). `total` None is connect + read: a server
+    that answers every read in time but never finishes is still cut off then."""
 
     connect: float = 5.0
     read: float = 30.0
+    total: float | None = None
+
+    @property
+    def deadline(self) -> float:
+        return self.total if self.total is not None else self.connect + self.read
 
 
 @dataclass(frozen=True)
@@ -114,7 +129,7 @@ class KubeClient:
         self._sleep = sleep
         self._token = credentials.token
         self._tempdir: str | None = None
-        self._session = requests.Session()
+        self._session = transport.session()
         self._finalizer = weakref.finalize(self, _cleanup, self._session, None)
         # requests' environment handling would let ~/.netrc replace our Authorization header and
         # REQUESTS_CA_BUNDLE replace the cluster's CA; proxies are taken from the environment below instead.
@@ -185,7 +200,7 @@ class KubeClient:
         someone else wrote the node in between (409), do it all again with a fresh read."""
         op = _Op("patch", "nodes/status", name)
 
-        def send(node: dict[str, Any], resource_version: str) -> requests.Response | None:
+        def send(node: dict[str, Any], resource_version: str) -> Answer | None:
             ops = compute(node)
             if not ops:
                 return None
@@ -206,7 +221,7 @@ class KubeClient:
         patch replaces a whole list, which the resourceVersion guard makes safe)."""
         op = _Op("patch", "nodes", name)
 
-        def send(node: dict[str, Any], resource_version: str) -> requests.Response | None:
+        def send(node: dict[str, Any], resource_version: str) -> Answer | None:
             patch = compute(node)
             if not patch:
                 return None
@@ -220,7 +235,7 @@ class KubeClient:
     # -- internals --------------------------------------------------------------------------------
 
     def _read_modify_write(
-        self, op: _Op, send: Callable[[dict[str, Any], str], requests.Response | None]
+        self, op: _Op, send: Callable[[dict[str, Any], str], Answer | None]
     ) -> dict[str, Any]:
         name = op.name
         attempts = max(1, self.retry.conflict_attempts)
@@ -246,10 +261,11 @@ class KubeClient:
             f"{name} -o yaml --show-managed-fields`) and run gpunode again",
         )
 
-    def _json(self, response: requests.Response, op: _Op) -> dict[str, Any]:
+    def _json(self, response: Answer, op: _Op) -> dict[str, Any]:
         """The object a successful answer carries; any other answer as an ApiError."""
         if response.status_code >= 300:
-            raise self._status_error(response, op)
+            # The server's own words are quoted: should they echo a credential, it is hidden there too.
+            raise _scrubbed(self._status_error(response, op), self._secrets())
         try:
             body = response.json()
         except ValueError:
@@ -264,7 +280,7 @@ class KubeClient:
 
     def _request(
         self, method: str, path: str, op: _Op, content_type: str | None = None, body: bytes | None = None
-    ) -> requests.Response:
+    ) -> Answer:
         """Send one request, retried as the module docstring says. Returns the final answer, whatever its
         status (_json turns an error status into an ApiError); raises ApiError when there is none."""
         url = self.server + path
@@ -294,9 +310,7 @@ class KubeClient:
             log.info("%s; trying again in %.2g s (attempt %d of %d)", what, delay, attempt + 1, attempts)
             self._sleep(delay)
 
-    def _send_once(
-        self, method: str, url: str, content_type: str | None, body: bytes | None
-    ) -> requests.Response:
+    def _send_once(self, method: str, url: str, content_type: str | None, body: bytes | None) -> Answer:
         headers = {}
         if content_type is not None:
             headers["Content-Type"] = content_type
@@ -304,45 +318,94 @@ class KubeClient:
             headers["Authorization"] = f"Bearer {self._token}"
         start = time.monotonic()
         shown = _redact(url)
+        deadline = self.timeouts.deadline
+        failure: Exception
+        cause: BaseException
         try:
             with warnings.catch_warnings():
                 if self._verify is False:
                     # The kubeconfig asked for it, and resolution already warned once: not on every request.
                     warnings.simplefilter("ignore", urllib3.exceptions.InsecureRequestWarning)
-                response = self._session.request(
+                answer = transport.request(
+                    self._session,
                     method,
                     url,
+                    connect=self.timeouts.connect,
+                    read=self.timeouts.read,
+                    deadline=deadline,
+                    max_bytes=MAX_ANSWER_BYTES,
                     data=body,
                     headers=headers,
-                    timeout=(self.timeouts.connect, self.timeouts.read),
                     verify=self._verify,
                     cert=self._cert,
                     proxies=self._proxies,
                     allow_redirects=False,
                 )
+        except transport.DeadlineExceeded as exc:
+            cause = exc
+            failure = ApiError(
+                f"the Kubernetes API at {shown} did not send its whole answer within {deadline:g} s",
+                "check that the API server is healthy (`kubectl get --raw /readyz`) and that no proxy or "
+                "load balancer between it and this node stalls its answers, then try again",
+            )
+        except transport.TooLarge as exc:
+            cause = exc
+            size = f" ({exc.declared} bytes)" if exc.declared is not None else ""
+            failure = ApiError(
+                f"the answer from {shown} is larger than {exc.limit // 2**20} MiB{size}, far larger than any "
+                "Node object: it is not the Kubernetes API answering",
+                f"check the server URL ({self.credentials.source}) and any proxy on the way",
+            )
         except requests.exceptions.SSLError as exc:
-            raise self._tls_error(shown, exc) from exc
+            cause = exc
+            failure = self._tls_error(shown, exc)
         except requests.exceptions.ConnectTimeout as exc:
-            raise _Retry(
+            cause = exc
+            failure = _Retry(
                 f"cannot reach the Kubernetes API at {shown}: "
-                f"no connection within {self.timeouts.connect:g} s",
+                f"no connection within {min(self.timeouts.connect, deadline):g} s",
                 self._unreachable_fix(),
-            ) from exc
+            )
         except requests.exceptions.ReadTimeout as exc:
-            raise ApiError(
+            cause = exc
+            failure = ApiError(
                 f"the Kubernetes API at {shown} did not answer within {self.timeouts.read:g} s",
                 "check that the API server is healthy (`kubectl get --raw /readyz`), then try again",
-            ) from exc
+            )
+        except requests.exceptions.InvalidHeader as exc:
+            # requests quotes the offending header value, which may be the bearer token: name it instead.
+            cause = exc
+            failure = ApiError(
+                f"cannot send the request to the Kubernetes API at {shown}: a header value holds a line "
+                "break or control character (the token or an impersonated name)",
+                f"check the credentials from {self.credentials.source}",
+            )
         except (requests.exceptions.ConnectionError, requests.exceptions.ChunkedEncodingError) as exc:
-            raise _Retry(
+            cause = exc
+            failure = _Retry(
                 f"cannot reach the Kubernetes API at {shown}: {_reason(exc)}", self._unreachable_fix()
-            ) from exc
+            )
         except requests.exceptions.RequestException as exc:
-            raise ApiError(
-                f"cannot send the request to the Kubernetes API at {shown}: {_reason(exc)}"
-            ) from exc
-        log.debug("%s %s -> %d (%.3f s)", method, shown, response.status_code, time.monotonic() - start)
-        return response
+            cause = exc
+            failure = ApiError(f"cannot send the request to the Kubernetes API at {shown}: {_reason(exc)}")
+        else:
+            log.debug("%s %s -> %d (%.3f s)", method, shown, answer.status_code, time.monotonic() - start)
+            return answer
+        # Raised here, after the except clauses: an exception raised inside one would carry the caught
+        # exception as its __context__ even without `from`, and --debug prints that chain.
+        secrets = self._secrets()
+        if _mentions(cause, secrets):
+            _scrub_error(failure, secrets)
+            raise failure
+        raise failure from cause
+
+    def _secrets(self) -> list[str]:
+        """What must never be shown: the token (as it is now: it may have been re-read), the password of
+        the server's or the proxy's URL."""
+        found = [self._token or "", self.credentials.token or ""]
+        for url in (self.server, *self._proxies.values()):
+            found.append(urlsplit(url).password or "")
+        return [s for s in found if s]
 
     def _reload_token(self) -> bool:
         """Read a token file again after a 401: service account tokens are rotated under a running process."""
@@ -443,7 +506,7 @@ class KubeClient:
 
     # -- error statuses ---------------------------------------------------------------------------
 
-    def _status_error(self, response: requests.Response, op: _Op) -> ApiError:
+    def _status_error(self, response: Answer, op: _Op) -> ApiError:
         status = _status_body(response)
         message = _one_line(str(status.get("message") or ""))
         details = status.get("details")
@@ -524,6 +587,59 @@ class KubeClient:
         )
 
 
+def _secret_forms(secret: str) -> set[str]:
+    """The ways a secret may appear in a text: as it is, as repr() escapes it (a token with a line break,
+    quoted in an exception), and its long pieces (each line of a token with line breaks)."""
+    forms = {secret, secret.strip(), repr(secret)[1:-1]}
+    forms.update(piece for piece in re.split(r"[\s\x00-\x1f\x7f]+", secret) if len(piece) >= 6)
+    return {form for form in forms if form}
+
+
+def _mentions(exc: BaseException, secrets: list[str]) -> bool:
+    """Whether any exception in exc's chain (causes, contexts, reasons, arguments) shows a secret."""
+    forms = [form for secret in secrets for form in _secret_forms(secret)]
+    if not forms:
+        return False
+    seen: set[int] = set()
+    pending: list[BaseException] = [exc]
+    while pending:
+        current = pending.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        try:
+            text = f"{current}\n{current.args!r}"
+        except Exception:  # an exception whose str() fails: assume the worst
+            return True
+        if any(form in text for form in forms):
+            return True
+        nested = [current.__cause__, current.__context__, getattr(current, "reason", None), *current.args]
+        pending.extend(e for e in nested if isinstance(e, BaseException))
+    return False
+
+
+def _scrub(text: str, secrets: list[str]) -> str:
+    forms = sorted({form for secret in secrets for form in _secret_forms(secret)}, key=len, reverse=True)
+    for form in forms:
+        text = text.replace(form, "<hidden>")
+    return text
+
+
+def _scrub_error(error: Exception, secrets: list[str]) -> None:
+    if isinstance(error, _Retry):
+        error.message, error.fix = _scrub(error.message, secrets), _scrub(error.fix, secrets)
+        error.args = (error.message,)
+    elif isinstance(error, GpunodeError):
+        error.message = _scrub(error.message, secrets)
+        error.fix = _scrub(error.fix, secrets) if error.fix is not None else None
+        error.args = (error.message,)
+
+
+def _scrubbed(error: ApiError, secrets: list[str]) -> ApiError:
+    _scrub_error(error, secrets)
+    return error
+
+
 def _cleanup(session: requests.Session, tempdir: str | None) -> None:
     session.close()
     if tempdir is not None:
@@ -553,7 +669,7 @@ def _one_line(text: str, limit: int = 300) -> str:
     return flat if len(flat) <= limit else flat[: limit - 1] + "…"
 
 
-def _status_body(response: requests.Response) -> dict[str, Any]:
+def _status_body(response: Answer) -> dict[str, Any]:
     """The Kubernetes Status an error answer carries; {} for anything else (a proxy's HTML page)."""
     try:
         body = response.json()
@@ -578,7 +694,7 @@ def _causes(status: Mapping[str, Any], message: str) -> str:
     return message or "422 Unprocessable Entity"
 
 
-def _retry_after(response: requests.Response, cap: float) -> float | None:
+def _retry_after(response: Answer, cap: float) -> float | None:
     value = response.headers.get("Retry-After")
     if not value:
         return None

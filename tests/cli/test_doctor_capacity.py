@@ -345,3 +345,31 @@ def test_warn_when_the_node_has_no_name(
     assert "cannot tell this node's name" in finding["summary"]
     assert "--node" not in finding["fix"] and "NODE_NAME" in finding["fix"]
     assert code == ExitCode.OK and api.requests == []
+
+
+def test_warn_within_the_deadline_when_the_api_server_trickles_its_answer(
+    gpu_node: Node, api: ApiServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # One byte every 2 s: each within doctor's 5 s read timeout, so only its overall deadline (3 s to
+    # connect + 5 s to read) ends it. Without one, doctor would wait for the server's whole 60 s.
+    api.trickle_next(2.0, limit=60.0)
+    code, finding, _ = doctor(gpu_node, capsys)
+    assert finding["status"] == "warn"
+    assert finding["summary"] == f"cannot read node {NODE} from the Kubernetes API"
+    assert finding["detail"].startswith(
+        f"the Kubernetes API at {api.url}/api/v1/nodes/{NODE} did not send its whole answer within 8 s"
+    )
+    assert code == ExitCode.OK
+    assert api.streamed < 200
+
+
+def test_warn_when_the_api_server_sends_a_gigabyte(
+    gpu_node: Node, api: ApiServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    api.flood_next(announce=None)
+    _, finding, _ = doctor(gpu_node, capsys)
+    assert finding["status"] == "warn"
+    assert finding["detail"].startswith(
+        f"the answer from {api.url}/api/v1/nodes/{NODE} is larger than 16 MiB, far larger than any Node"
+    )
+    assert api.streamed < 64 * 2**20

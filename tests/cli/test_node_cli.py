@@ -816,3 +816,54 @@ def test_no_credentials_lists_where_it_looked(node: Node) -> None:
     node.env["KUBECONFIG"] = "/etc/missing.conf"
     code, _, err = node.withdraw()
     assert code == ExitCode.NOT_FOUND and "$KUBECONFIG=/etc/missing.conf (no such file)" in err
+
+
+# -- hostile servers and secrets --------------------------------------------------------------------------
+
+
+def test_a_server_that_trickles_its_answer_ends_in_exit_9(
+    admin: Node, api: ApiServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The CLI's own timeouts, with the deadline shortened so that the test takes a second, not 35.
+    monkeypatch.setattr(kube_client, "Timeouts", partial(kube_client.Timeouts, total=1.0))
+    before = api.node(NODE)
+    api.trickle_next(0.25, limit=20.0)  # each byte well within the read timeout
+    code, out, err = admin.advertise()
+    assert code == ExitCode.API
+    assert error_line(err) == (
+        f"gpunode: error: the Kubernetes API at {api.url}/api/v1/nodes/{NODE} did not send its whole answer "
+        "within 1 s"
+    )
+    assert out == "" and api.node(NODE) == before
+    assert api.streamed < 200  # cut off, not read for the 20 s the server would go on
+
+
+def test_a_server_that_sends_a_gigabyte_ends_in_exit_9(admin: Node, api: ApiServer) -> None:
+    before = api.node(NODE)
+    api.flood_next(announce=2**30)
+    code, _, err = admin.advertise()
+    assert code == ExitCode.API
+    assert error_line(err).startswith(
+        f"gpunode: error: the answer from {api.url}/api/v1/nodes/{NODE} is larger than 16 MiB"
+    )
+    api.flood_next(announce=None)  # chunked, no length: stopped by counting
+    code, _, err = admin.withdraw()
+    assert code == ExitCode.API and "is larger than 16 MiB," in error_line(err)
+    assert api.node(NODE) == before
+    assert api.streamed < 2 * 64 * 2**20
+
+
+def test_a_token_with_a_line_break_is_never_shown_not_even_with_debug(
+    node: Node, api: ApiServer, pki: Pki
+) -> None:
+    halves = ("first-half-0b7e-never-shown", "second-half-4d4d-never-shown")
+    node.kubeconfig(api.url, {"token": f"{halves[0]}\n{halves[1]}"}, ca=pki.ca.cert)
+    host = Host(root=node.root, runner=ScriptedRunner(), env=dict(node.env), euid=0)
+    code = main(["--debug", "node", "advertise"], host=host)
+    out, err = node.capsys.readouterr()
+    assert code == ExitCode.CONFIG
+    assert "holds a space, line break, control or non-ASCII character" in err
+    assert "Traceback" in err  # --debug printed the chain: and not a piece of the token is in it
+    for half in halves:
+        assert half not in err and half not in out
+    assert api.requests == []

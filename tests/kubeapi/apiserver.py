@@ -19,6 +19,11 @@
 - Every error is a Kubernetes `Status` object.
 - Faults for tests: `fail_next(status, count, retry_after)` answers the next requests with an error;
   `delay_next(seconds, count)` sleeps before answering; `modify_node` changes a node as another writer.
+  Hostile servers, bounded so that a test never waits or sends for ever: `trickle_next(interval)` sends
+  the next answer one byte every `interval` seconds (its status line and headers, or its body after
+  complete headers), until the client hangs up or `limit` seconds have passed; `flood_next()` announces a
+  huge body (Content-Length 1 GiB, or chunked without a length) and streams it until the client hangs
+  up or `cap` bytes are sent. `streamed` counts the bytes those sent.
 - `requests` logs each request (method, path, content type, user, status; never a token).
 
 Runs on 127.0.0.1, port 0, in a daemon thread; use it as a context manager.
@@ -67,6 +72,19 @@ LABEL_VALUE_ERROR = (
     "used for validation is '(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?')"
 )
 QUANTITY_ERROR = f"quantities must match the regular expression '{QUANTITY.pattern}'"
+
+
+@dataclass(frozen=True)
+class Stream:
+    """A hostile answer: "trickle" (one byte per `interval`, in the `phase` "headers" or "body") or
+    "flood" (`announce` bytes declared, None for chunked; at most `cap` sent)."""
+
+    kind: str
+    interval: float = 2.0
+    phase: str = "body"
+    limit: float = 30.0
+    announce: int | None = 2**30
+    cap: int = 256 * 2**20
 
 
 @dataclass(frozen=True)
@@ -141,6 +159,8 @@ class ApiServer:
         self._revision = itertools.count(1000)
         self._faults: list[tuple[int, float | None]] = []
         self._delays: list[float] = []
+        self._streams: list[Stream] = []
+        self.streamed = 0  # bytes sent by trickled and flooded answers
         self._log: list[LoggedRequest] = []
         self._stopping = threading.Event()
         self._context: ssl.SSLContext | None = None
@@ -247,6 +267,51 @@ class ApiServer:
         """Sleep `seconds` before handling each of the next `count` requests."""
         with self._lock:
             self._delays.extend([seconds] * count)
+
+    def trickle_next(
+        self, interval: float = 2.0, *, phase: str = "body", limit: float = 30.0, count: int = 1
+    ) -> None:
+        """Send each of the next `count` answers one byte every `interval` seconds: from its status line
+        (phase "headers") or after whole headers announcing a 1 MiB body ("body"). Ends when the client
+        hangs up, after `limit` seconds, or when the server stops."""
+        if phase not in ("headers", "body"):
+            raise ValueError(f"phase is headers or body, not {phase!r}")
+        with self._lock:
+            self._streams.extend([Stream("trickle", interval=interval, phase=phase, limit=limit)] * count)
+
+    def flood_next(self, *, announce: int | None = 2**30, cap: int = 256 * 2**20, count: int = 1) -> None:
+        """Answer each of the next `count` requests with 200 and a body of `announce` bytes (None: chunked,
+        no length), streamed as fast as the client reads until it hangs up or `cap` bytes are sent."""
+        with self._lock:
+            self._streams.extend([Stream("flood", announce=announce, cap=cap)] * count)
+
+    def next_stream(self, method: str, raw_path: str, headers: Mapping[str, str]) -> Stream | None:
+        """The hostile answer for this request, if one is pending (it is logged as a 200)."""
+        with self._lock:
+            if not self._streams:
+                return None
+            stream = self._streams.pop(0)
+            self._log.append(
+                LoggedRequest(
+                    method=method,
+                    path=urlsplit(raw_path).path,
+                    content_type=headers.get("Content-Type"),
+                    user=None,
+                    authenticated_by=None,
+                    sent_authorization="Authorization" in headers,
+                    status=200,
+                    body=None,
+                )
+            )
+        return stream
+
+    def count_streamed(self, size: int) -> None:
+        with self._lock:
+            self.streamed += size
+
+    @property
+    def stopping(self) -> threading.Event:
+        return self._stopping
 
     @property
     def requests(self) -> list[LoggedRequest]:
@@ -571,6 +636,17 @@ def _handler_for(server: ApiServer) -> type[BaseHTTPRequestHandler]:
         def _serve(self, method: str) -> None:
             length = int(self.headers.get("Content-Length") or 0)
             body = self.rfile.read(length) if length else b""
+            stream = server.next_stream(method, self.path, dict(self.headers.items()))
+            if stream is not None:
+                self.close_connection = True
+                try:
+                    if stream.kind == "trickle":
+                        self._trickle(stream)
+                    else:
+                        self._flood(stream)
+                except OSError:
+                    pass  # the client hung up: what a hostile answer waits for
+                return
             peer = self.connection.getpeercert() if isinstance(self.connection, ssl.SSLSocket) else None
             answer = server.handle(method, self.path, dict(self.headers.items()), body, peer)
             data = json.dumps(answer.body).encode()
@@ -585,5 +661,42 @@ def _handler_for(server: ApiServer) -> type[BaseHTTPRequestHandler]:
                 self.wfile.write(data)
             except OSError:
                 self.close_connection = True  # the client is gone (it timed out)
+
+        def _send(self, data: bytes) -> None:
+            self.wfile.write(data)
+            self.wfile.flush()
+            server.count_streamed(len(data))
+
+        def _trickle(self, stream: Stream) -> None:
+            body_size = 2**20
+            head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+            head += f"Content-Length: {body_size}\r\n\r\n".encode()
+            if stream.phase == "headers":
+                data = head
+            else:
+                self._send(head)
+                data = b" " * body_size
+            ends = time.monotonic() + stream.limit
+            for index in range(len(data)):
+                if time.monotonic() >= ends or server.stopping.is_set():
+                    return
+                self._send(data[index : index + 1])
+                server.stopping.wait(stream.interval)
+
+        def _flood(self, stream: Stream) -> None:
+            head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+            if stream.announce is None:
+                head += b"Transfer-Encoding: chunked\r\n\r\n"
+            else:
+                head += f"Content-Length: {stream.announce}\r\n\r\n".encode()
+            self._send(head)
+            chunk = b" " * 65536  # whitespace: valid JSON so far, so only its size can stop a client
+            sent = 0
+            while sent < stream.cap and not server.stopping.is_set():
+                if stream.announce is None:
+                    self._send(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                else:
+                    self._send(chunk)
+                sent += len(chunk)
 
     return Handler

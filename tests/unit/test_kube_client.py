@@ -424,6 +424,109 @@ def test_slow_answer_times_out(api: ApiServer, pki: Pki) -> None:
     assert time.monotonic() - start < 1.5  # not retried: each try would wait the whole timeout again
 
 
+# -- hostile servers: an overall deadline and a bounded answer ----------------------------------------------
+# Each read below comes well within the read timeout: only the deadline for the whole answer can end them.
+
+
+@pytest.mark.parametrize("phase", ["body", "headers"])
+def test_a_trickled_answer_ends_at_the_deadline(api: ApiServer, pki: Pki, phase: str) -> None:
+    api.trickle_next(0.25, phase=phase, limit=20.0)
+    with client(creds(api, pki), timeouts=Timeouts(connect=1.0, read=2.0, total=1.0)) as kube:
+        error = failure(lambda: kube.get_node("n1"))
+    assert error.message == (
+        f"the Kubernetes API at {api.url}/api/v1/nodes/n1 did not send its whole answer within 1 s"
+    )
+    assert error.fix is not None and "/readyz" in error.fix
+    assert len(api.requests) == 1  # not retried: a stalling server would stall every try
+    # Cut off after about 1 s of the 20 s the server would go on: a few bytes of the body (or headers).
+    assert api.streamed < 200
+
+
+def test_the_deadline_defaults_to_connect_plus_read(api: ApiServer, pki: Pki) -> None:
+    api.trickle_next(0.25, limit=20.0)
+    with client(creds(api, pki), timeouts=Timeouts(connect=0.5, read=1.0)) as kube:
+        error = failure(lambda: kube.get_node("n1"))
+    assert error.message.endswith("did not send its whole answer within 1.5 s")
+
+
+def test_a_body_announced_huge_is_refused_unread(api: ApiServer, pki: Pki) -> None:
+    api.flood_next(announce=2**30)
+    with client(creds(api, pki)) as kube:
+        error = failure(lambda: kube.get_node("n1"))
+    assert error.message == (
+        f"the answer from {api.url}/api/v1/nodes/n1 is larger than 16 MiB (1073741824 bytes), far larger "
+        "than any Node object: it is not the Kubernetes API answering"
+    )
+    assert error.fix is not None and "check the server URL" in error.fix
+    assert len(api.requests) == 1
+    assert api.streamed < 64 * 2**20  # the client hung up long before the server's 256 MiB cap
+
+
+def test_an_endless_body_stops_at_the_size_limit(api: ApiServer, pki: Pki) -> None:
+    api.flood_next(announce=None)  # chunked: no length to refuse up front
+    with client(creds(api, pki)) as kube:
+        error = failure(lambda: kube.get_node("n1"))
+    assert error.message.startswith(f"the answer from {api.url}/api/v1/nodes/n1 is larger than 16 MiB,")
+    assert len(api.requests) == 1
+    assert api.streamed < 64 * 2**20
+    # The connection it hung up on is not used again: the next request is answered normally.
+    with client(creds(api, pki)) as kube:
+        assert kube.get_node("n1")["metadata"]["name"] == "n1"
+
+
+def test_a_hostile_answer_to_a_patch_ends_the_same_way(api: ApiServer, pki: Pki) -> None:
+    with client(creds(api, pki), timeouts=Timeouts(connect=1.0, read=2.0, total=1.0)) as kube:
+        kube.get_node("n1")  # a connection kept alive, reused below
+        api.trickle_next(0.25, limit=20.0)
+        error = failure(lambda: kube.patch_node("n1", {"metadata": {"labels": {"a": "b"}}}))
+        assert "did not send its whole answer within 1 s" in error.message
+        assert kube.get_node("n1")["metadata"]["name"] == "n1"  # and the client still works
+
+
+# -- secrets, whatever their content ---------------------------------------------------------------------
+
+
+def exception_chain(error: BaseException) -> list[BaseException]:
+    """error and every exception --debug's traceback would print with it (causes and contexts)."""
+    chain: list[BaseException] = []
+    pending: list[BaseException | None] = [error]
+    while pending:
+        current = pending.pop()
+        if current is None or any(current is seen for seen in chain):
+            continue
+        chain.append(current)
+        pending.extend([current.__cause__, current.__context__])
+    return chain
+
+
+def test_a_token_with_a_line_break_is_never_shown(api: ApiServer, pki: Pki) -> None:
+    # Resolution refuses such a token (test_kube_credentials); the client must still never echo one.
+    secret = "first-half-of-a-secret\nsecond-half-of-a-secret"  # noqa: S105
+    with client(creds(api, pki, token=secret)) as kube, pytest.raises(ApiError) as raised:
+        kube.get_node("n1")
+    error = raised.value
+    assert error.exit_code == ExitCode.API
+    assert "a header value holds a line break or control character" in error.message
+    for exc in exception_chain(error):
+        shown = f"{exc} {exc.args!r}"
+        assert "first-half-of-a-secret" not in shown and "second-half-of-a-secret" not in shown
+    assert api.requests == []  # nothing was sent
+
+
+def test_a_proxy_password_is_never_shown(api: ApiServer, pki: Pki) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens: the proxy is unreachable
+    proxy = f"http://user:proxy-password-7a7a@127.0.0.1:{port}"
+    credentials = creds(api, pki, proxy=proxy)
+    assert "proxy-password-7a7a" not in repr(credentials)
+    # A proxy is never used for a loopback server; this one is named by the kubeconfig, so it is.
+    with client(credentials) as kube:
+        error = failure(lambda: kube.get_node("n1"))
+    for exc in exception_chain(error):
+        assert "proxy-password-7a7a" not in f"{exc} {exc.args!r}"
+
+
 def test_unreachable_server_names_the_url(pki: Pki) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

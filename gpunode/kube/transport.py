@@ -1,0 +1,230 @@
+"""HTTP requests with an overall deadline and an answer of bounded size, on top of requests.
+
+requests' `timeout=(connect, read)` bounds each socket operation, not the request: a server that sends one
+byte every few seconds never trips a read timeout and keeps the client waiting for ever, and a server that
+sends a gigabyte fills the client's memory. Here every request gets a watchdog timer that shuts the
+connection's socket down when the deadline passes — that ends a read blocked anywhere, in the TLS
+handshake, the headers or the body — and the body is read in chunks, counted against a size limit (the
+declared Content-Length is refused at once when it is already over).
+
+Imported only by the modules that send requests (requests is a heavy import; gpunode's start-up does not
+pay for it). The watchdog finds the connection a request uses through connection pools that report each
+connection they hand out, for the request running in the current context.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import socket
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import requests
+import urllib3
+from requests.adapters import HTTPAdapter
+from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
+
+CHUNK = 64 * 1024
+
+
+class DeadlineExceeded(requests.exceptions.RequestException):
+    """The answer did not arrive whole within the request's deadline."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(f"no complete answer within {seconds:g} s")
+        self.seconds = seconds
+
+
+class TooLarge(requests.exceptions.RequestException):
+    """The answer is larger than the limit (declared so, or found so while reading it)."""
+
+    def __init__(self, limit: int, declared: int | None = None) -> None:
+        super().__init__(f"the answer is larger than {limit} bytes")
+        self.limit = limit
+        self.declared = declared
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A complete answer: its status, headers (case-insensitive) and whole body."""
+
+    status_code: int
+    reason: str
+    headers: Mapping[str, str]
+    url: str
+    body: bytes
+
+    def json(self) -> Any:
+        """The body as JSON (ValueError when it is not)."""
+        import json
+
+        return json.loads(self.body)
+
+
+class _Watchdog:
+    """Shuts down the sockets of the connections one request uses once its deadline has passed."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._lock = threading.Lock()
+        self._connections: list[Any] = []
+        self._expired = False
+        self._timer = threading.Timer(seconds, self._expire)
+        self._timer.daemon = True  # a pending timer must never keep the process alive
+        self._timer.start()
+
+    @property
+    def expired(self) -> bool:
+        with self._lock:
+            return self._expired
+
+    def track(self, connection: Any) -> None:
+        with self._lock:
+            self._connections.append(connection)
+            expired = self._expired
+        if expired:
+            _shut(connection)
+
+    def cancel(self) -> None:
+        self._timer.cancel()
+
+    def _expire(self) -> None:
+        with self._lock:
+            self._expired = True
+            connections = list(self._connections)
+        for connection in connections:
+            _shut(connection)
+
+
+def _shut(connection: Any) -> None:
+    sock = getattr(connection, "sock", None)
+    if sock is None:
+        return  # still connecting: the connect timeout (capped at the deadline) ends that
+    # socket.socket's own shutdown, not SSLSocket's: that one would also drop the TLS object under a thread
+    # that is reading from it. Shutting the descriptor down wakes the blocked read with EOF. OSError: the
+    # socket is closed already.
+    with contextlib.suppress(OSError):
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
+
+
+_current: contextvars.ContextVar[_Watchdog | None] = contextvars.ContextVar(
+    "gpunode_http_watchdog", default=None
+)
+
+
+class _TrackedHTTPPool(HTTPConnectionPool):
+    def _get_conn(self, timeout: float | None = None) -> Any:
+        connection = super()._get_conn(timeout)
+        watchdog = _current.get()
+        if watchdog is not None:
+            watchdog.track(connection)
+        return connection
+
+
+class _TrackedHTTPSPool(HTTPSConnectionPool):
+    def _get_conn(self, timeout: float | None = None) -> Any:
+        connection = super()._get_conn(timeout)
+        watchdog = _current.get()
+        if watchdog is not None:
+            watchdog.track(connection)
+        return connection
+
+
+_POOLS: dict[str, type[HTTPConnectionPool]] = {"http": _TrackedHTTPPool, "https": _TrackedHTTPSPool}
+
+
+class _DeadlineAdapter(HTTPAdapter):
+    """requests' adapter, with pools (direct and through a proxy) that report their connections."""
+
+    def init_poolmanager(self, *args: Any, **kwargs: Any) -> None:
+        super().init_poolmanager(*args, **kwargs)
+        self.poolmanager.pool_classes_by_scheme = dict(_POOLS)
+
+    def proxy_manager_for(self, proxy: str, **proxy_kwargs: Any) -> Any:
+        manager = super().proxy_manager_for(proxy, **proxy_kwargs)
+        manager.pool_classes_by_scheme = dict(_POOLS)
+        return manager
+
+
+def session() -> requests.Session:
+    """A requests session whose requests `request` can bound."""
+    new = requests.Session()
+    adapter = _DeadlineAdapter()
+    new.mount("http://", adapter)
+    new.mount("https://", adapter)
+    return new
+
+
+def request(
+    http: requests.Session,
+    method: str,
+    url: str,
+    *,
+    connect: float,
+    read: float,
+    deadline: float,
+    max_bytes: int,
+    **kwargs: Any,
+) -> Answer:
+    """Send one request and read its whole answer, within `deadline` seconds and `max_bytes` bytes.
+
+    Raises DeadlineExceeded or TooLarge, and requests' own exceptions for everything else (a connect
+    timeout stays a ConnectTimeout: nothing was sent yet, so it may be tried again)."""
+    watchdog = _Watchdog(deadline)
+    context = _current.set(watchdog)
+    try:
+        try:
+            response = http.request(
+                method,
+                url,
+                stream=True,
+                timeout=(min(connect, deadline), min(read, deadline)),
+                **kwargs,
+            )
+        except requests.exceptions.ConnectTimeout:
+            raise
+        except requests.exceptions.RequestException as exc:
+            if watchdog.expired:
+                raise DeadlineExceeded(deadline) from exc
+            raise
+        with response:
+            body = _read_body(response, watchdog, max_bytes)
+        return Answer(response.status_code, response.reason or "", response.headers, response.url, body)
+    finally:
+        watchdog.cancel()
+        _current.reset(context)
+
+
+def _read_body(response: requests.Response, watchdog: _Watchdog, max_bytes: int) -> bytes:
+    declared = response.headers.get("Content-Length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise TooLarge(max_bytes, int(declared))
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        for chunk in response.iter_content(CHUNK):
+            size += len(chunk)
+            if size > max_bytes:
+                raise TooLarge(max_bytes)
+            chunks.append(chunk)
+            if watchdog.expired:
+                break
+    except (TooLarge, DeadlineExceeded):
+        raise
+    except requests.exceptions.RequestException as exc:
+        if watchdog.expired:
+            raise DeadlineExceeded(watchdog.seconds) from exc
+        raise
+    except (urllib3.exceptions.HTTPError, OSError) as exc:
+        # What requests does not wrap itself, as requests' own kind: the callers handle those.
+        if watchdog.expired:
+            raise DeadlineExceeded(watchdog.seconds) from exc
+        raise requests.exceptions.ConnectionError(exc) from exc
+    # A body without a length ends at EOF, which is also what the watchdog's shutdown looks like: once the
+    # deadline has passed, what was read cannot be trusted to be whole.
+    if watchdog.expired:
+        raise DeadlineExceeded(watchdog.seconds)
+    return b"".join(chunks)
