@@ -34,7 +34,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 from urllib.parse import urlsplit
 
-from gpunode.errors import ConfigError, NotFound, UsageError
+from gpunode.errors import ConfigError, GpunodeError, NotFound, UsageError
 from gpunode.host import Host
 
 log = logging.getLogger("gpunode.kube")
@@ -48,6 +48,7 @@ RANCHER_KUBECONFIGS = (
     "/var/lib/rancher/rke2/agent/kubelet.kubeconfig",
 )
 SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+MAX_TOKEN_BYTES = 64 * 1024  # service account JWTs are 1-2 KiB
 
 FIX = (
     "pass --kubeconfig PATH (a kubeconfig with a token or client certificate), or --server URL "
@@ -104,7 +105,7 @@ class Credentials:
         if self.impersonate_user is not None:
             parts.append(f"impersonate_user={self.impersonate_user!r}")
         if self.proxy is not None:
-            parts.append(f"proxy={self.proxy!r}")
+            parts.append(f"proxy={redact_url(self.proxy)!r}")
         return f"Credentials({', '.join(parts)})"
 
     @property
@@ -120,6 +121,36 @@ class Credentials:
             if present
         ]
         return " and ".join(kinds) or "no credentials"
+
+
+def redact_url(url: str) -> str:
+    """A URL for messages and reprs: its password (a proxy's, say) replaced by ***."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rsplit("@", 1)[1]
+    return parts._replace(netloc=f"{parts.username or ''}:***@{host}").geturl()
+
+
+def _visible(value: str) -> bool:
+    """Printable ASCII without spaces: what a bearer token, an HTTP header value gpunode sends, or a URL
+    may hold. A line break there would end the header (or the line of a file) and start another."""
+    return all(0x21 <= ord(c) <= 0x7E for c in value)
+
+
+def check_token(token: str, where: str) -> str:
+    """A bearer token as it may be sent: whitespace around it dropped (a token file ends with a newline),
+    nothing but visible ASCII inside. The error never shows the token, not even a part of it."""
+    value = token.strip()
+    if not value:
+        raise ConfigError(f"the token from {where} is empty", "give the token the cluster issued")
+    if not _visible(value):
+        raise ConfigError(
+            f"the token from {where} holds a space, line break, control or non-ASCII character, which no "
+            "bearer token has (it is not shown here)",
+            "check that the file or field holds exactly the token the cluster issued, on one line",
+        )
+    return value
 
 
 def resolve_credentials(
@@ -206,22 +237,34 @@ def _absolute(path: str) -> str:
 def _normalise_server(url: str, where: str) -> str:
     """An API server URL, checked: http(s)://HOST[:PORT][/PREFIX]. "HOST:PORT" alone means https, as for
     kubectl. The trailing / goes: paths are appended to it."""
+    error = UsageError if where.startswith("--") else ConfigError
     candidate = url.strip()
+    if not _visible(candidate):
+        # urlsplit would silently drop a tab or line break; a URL holding one was not typed on purpose.
+        raise error(
+            f"{where}: {candidate!r} is not an API server URL (it holds a space or control character)"
+        )
     if "://" not in candidate:
         candidate = f"https://{candidate}"
     parts = urlsplit(candidate)
+    if "@" in parts.netloc:
+        # requests would send it as basic authentication, which Kubernetes no longer accepts; and a
+        # password has no place in a URL that messages show.
+        raise error(
+            f"{where}: {redact_url(candidate)!r} is not an API server URL (it carries a user name or "
+            "password)",
+            "give the server as https://HOST:PORT and the credentials in the kubeconfig's user",
+        )
     try:
         port_ok = parts.port is None or 0 < parts.port < 65536
     except ValueError:
         port_ok = False
     if parts.scheme not in ("http", "https") or not parts.hostname or not port_ok:
-        raise (UsageError if where.startswith("--") else ConfigError)(
+        raise error(
             f"{where}: {url!r} is not an API server URL (expected https://HOST:PORT or http://HOST:PORT)"
         )
     if parts.query or parts.fragment:
-        raise (UsageError if where.startswith("--") else ConfigError)(
-            f"{where}: {url!r} is not an API server URL (it has a query or fragment)"
-        )
+        raise error(f"{where}: {url!r} is not an API server URL (it has a query or fragment)")
     return candidate.rstrip("/")
 
 
@@ -433,7 +476,8 @@ def _cluster(host: Host, cluster: _Named) -> tuple[str, Pem | bool, str | None]:
 def _user(
     host: Host, user: _Named, *, server: str, source: str, verify: Pem | bool, proxy: str | None
 ) -> Credentials:
-    token = _string(user, "token") or None
+    inline = _string(user, "token")
+    token = check_token(inline, f"{user.where()} (token)") if inline else None
     token_file: str | None = None
     reload_token: Callable[[], str | None] | None = None
     if token is None:
@@ -456,6 +500,12 @@ def _user(
     groups = user.body.get("as-groups") or []
     if not isinstance(groups, list) or not all(isinstance(g, str) for g in groups):
         raise ConfigError(f"{user.where()}: as-groups is not a list of names")
+    # Sent as header values: a line break would end the header and start another.
+    for name in (impersonate or "", *groups):
+        if any(ord(c) < 0x20 or ord(c) == 0x7F for c in name):
+            raise ConfigError(
+                f"{user.where()}: an impersonated name (as, as-groups) holds a control character"
+            )
     # requests sends a header once, and Kubernetes reads each Impersonate-Group header as one group.
     if len(groups) > 1:
         raise ConfigError(f"{user.where()}: impersonating more than one group (as-groups) is not supported")
@@ -507,20 +557,33 @@ def _refuse_unsupported_auth(user: _Named) -> None:
 
 
 def _read_token(host: Host, path: str, where: str) -> str:
+    # Read as bytes and decoded here, with no exception chained to the errors: a UnicodeDecodeError carries
+    # the file's whole content, the token, and --debug prints the chain.
+    data = host.read_bytes(path)
+    if data is None:
+        raise NotFound(f"the token file {path} named by {where} does not exist")
+    if len(data) > MAX_TOKEN_BYTES:
+        raise ConfigError(f"the token file {path} named by {where} is larger than 64 KiB; it is not a token")
     try:
-        token = host.read_text(path).strip()
-    except NotFound:
-        raise NotFound(f"the token file {path} named by {where} does not exist") from None
-    if not token:
+        text = data.decode("ascii")
+    except UnicodeDecodeError:
+        text = None
+    if text is None:
+        raise ConfigError(
+            f"the token from the file {path} named by {where} holds a non-ASCII byte, which no bearer token "
+            "has (it is not shown here)",
+            "check that the file holds exactly the token the cluster issued",
+        )
+    if not text.strip():
         raise ConfigError(f"the token file {path} named by {where} is empty")
-    return token
+    return check_token(text, f"the file {path} named by {where}")
 
 
 def _token_reader(host: Host, path: str, where: str) -> Callable[[], str | None]:
     def read() -> str | None:
         try:
             return _read_token(host, path, where)
-        except (NotFound, ConfigError):
+        except GpunodeError:
             return None
 
     return read

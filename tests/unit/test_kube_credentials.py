@@ -506,6 +506,113 @@ def test_server_override_must_be_a_url(root: Root) -> None:
         root.resolve(server="https://host:99999")
 
 
+# -- input that reaches the API server is checked; secrets are never shown ----------------------------------
+
+HALVES = ("first-half-3c1d-never-shown", "second-half-9e2f-never-shown")
+
+
+def never_shows_the_token(error: BaseException) -> None:
+    """Neither the error nor any exception chained to it (what --debug prints) shows a part of it."""
+    pending: list[BaseException | None] = [error]
+    seen: list[BaseException] = []
+    while pending:
+        current = pending.pop()
+        if current is None or any(current is s for s in seen):
+            continue
+        seen.append(current)
+        shown = f"{current} {current.args!r}"
+        assert not any(half in shown for half in HALVES), shown
+        pending.extend([current.__cause__, current.__context__])
+
+
+@pytest.mark.parametrize(
+    "token",
+    [
+        f"{HALVES[0]}\n{HALVES[1]}",
+        f"{HALVES[0]}\r\nX-Injected: yes{HALVES[1]}",
+        f"{HALVES[0]} {HALVES[1]}",
+        f"{HALVES[0]}\x00{HALVES[1]}",
+        f"{HALVES[0]}\u00e9{HALVES[1]}",
+    ],
+    ids=["line-break", "header-injection", "space", "nul", "non-ascii"],
+)
+def test_a_token_that_cannot_be_a_header_is_refused_without_showing_it(root: Root, token: str) -> None:
+    root.file("/root/.kube/config", simple(user={"token": token}))
+    with pytest.raises(ConfigError) as raised:
+        root.resolve()
+    assert raised.value.message.startswith(
+        'the token from user "admin" in /root/.kube/config (token) holds a space, line break, control or '
+        "non-ASCII character"
+    )
+    never_shows_the_token(raised.value)
+
+
+def test_a_token_file_with_a_line_break_inside_is_refused_without_showing_it(root: Root) -> None:
+    root.file("/etc/k/token", f"{HALVES[0]}\n{HALVES[1]}\n")
+    root.file("/root/.kube/config", simple(user={"tokenFile": "/etc/k/token"}))
+    with pytest.raises(ConfigError) as raised:
+        root.resolve()
+    assert "the token from the file /etc/k/token named by user" in raised.value.message
+    never_shows_the_token(raised.value)
+    # Whitespace around the token is no part of it (a file written with echo ends with a newline).
+    root.file("/etc/k/token", f"  {HALVES[0]}\n")
+    assert root.resolve().token == HALVES[0]
+
+
+def test_a_token_file_that_is_not_ascii_is_refused_without_showing_it(root: Root) -> None:
+    local = root.path / "etc/k/token"
+    local.parent.mkdir(parents=True)
+    local.write_bytes(HALVES[0].encode() + b"\xff\xfe" + HALVES[1].encode())
+    root.file("/root/.kube/config", simple(user={"tokenFile": "/etc/k/token"}))
+    with pytest.raises(ConfigError) as raised:
+        root.resolve()
+    assert "holds a non-ASCII byte" in raised.value.message
+    never_shows_the_token(raised.value)
+
+
+def test_a_service_account_token_with_a_line_break_is_refused_without_showing_it(root: Root) -> None:
+    root.file("/var/run/secrets/kubernetes.io/serviceaccount/token", f"{HALVES[0]}\n{HALVES[1]}")
+    root.env.update({"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443"})
+    with pytest.raises(ConfigError) as raised:
+        root.resolve()
+    assert "/var/run/secrets/kubernetes.io/serviceaccount/token" in raised.value.message
+    never_shows_the_token(raised.value)
+
+
+def test_an_impersonated_name_with_a_line_break_is_refused(root: Root) -> None:
+    root.file("/root/.kube/config", simple(user={"token": TOKEN, "as": "admin\nX-Injected: yes"}))
+    with pytest.raises(ConfigError, match=r"an impersonated name .* holds a control character"):
+        root.resolve()
+
+
+@pytest.mark.parametrize(
+    "server", ["https://10.0.0.1:64\t43", "https://10.0.0.1\n.evil:6443", "https://a b:1"]
+)
+def test_a_server_url_with_a_control_character_or_space_is_refused(root: Root, server: str) -> None:
+    # urlsplit would silently drop the line break and make another URL of it.
+    with pytest.raises(UsageError, match="holds a space or control character"):
+        root.resolve(server=server)
+    root.file("/root/.kube/config", simple(server=server))
+    with pytest.raises(ConfigError, match="holds a space or control character"):
+        root.resolve()
+
+
+def test_a_server_url_with_a_password_is_refused_without_showing_it(root: Root) -> None:
+    with pytest.raises(UsageError) as raised:
+        root.resolve(server="https://admin:pass-5e5e-never-shown@10.0.0.1:6443")
+    assert "carries a user name or password" in raised.value.message
+    assert "pass-5e5e-never-shown" not in str(raised.value)
+
+
+def test_a_proxy_password_is_not_in_the_repr(root: Root) -> None:
+    config = yaml.safe_load(simple())
+    config["clusters"][0]["cluster"]["proxy-url"] = "http://u:proxy-pw-never-shown@proxy:3128"
+    root.file("/root/.kube/config", yaml.safe_dump(config))
+    creds = root.resolve()
+    assert creds.proxy == "http://u:proxy-pw-never-shown@proxy:3128"  # still used as given
+    assert "proxy-pw-never-shown" not in repr(creds) and "http://u:***@proxy:3128" in repr(creds)
+
+
 # -- JSON pointers ------------------------------------------------------------------------------------------
 
 
