@@ -228,6 +228,9 @@ class DeviceRegistry:
         self.on_health_change = on_health_change
         self._states: dict[str, _ResourceState] = {}
         self._unhealthy: dict[Unit, str] = {}
+        # GPUs the health monitor cannot watch (by UUID: index, why). They stay healthy and schedulable;
+        # this is only reported (status file, `plugin status`, doctor), never sent to kubelet.
+        self._unmonitored: dict[str, tuple[int, str]] = {}
         self._cond = threading.Condition()
         self._closed = False
         self.replace(resources)
@@ -254,6 +257,7 @@ class DeviceRegistry:
                 if index is not None:
                     marks[Unit(index, unit.instance)] = reason
             self._unhealthy = marks
+            self._unmonitored = {u: v for u, v in self._unmonitored.items() if u in new_index}
             self._cond.notify_all()
 
     def mark(self, unit: Unit, reason: str | None) -> bool:
@@ -277,6 +281,29 @@ class DeviceRegistry:
         if self.on_health_change is not None:
             self.on_health_change()
         return True
+
+    def set_unmonitored(self, gpu_uuid: str, gpu_index: int, reason: str | None) -> bool:
+        """Record that a GPU cannot be watched (reason) or can be again (None); True if that changed.
+
+        Health is untouched: "cannot monitor" is not "unhealthy". No stream wakes (kubelet's view does
+        not change); `on_health_change` runs so the plugin's status shows it.
+        """
+        with self._cond:
+            entry = (gpu_index, reason) if reason is not None else None
+            if self._unmonitored.get(gpu_uuid) == entry:
+                return False
+            if entry is None:
+                del self._unmonitored[gpu_uuid]
+            else:
+                self._unmonitored[gpu_uuid] = entry
+        if self.on_health_change is not None:
+            self.on_health_change()
+        return True
+
+    def unmonitored(self) -> dict[str, tuple[int, str]]:
+        """GPU UUID → (index, why it is not watched)."""
+        with self._cond:
+            return dict(self._unmonitored)
 
     def close(self) -> None:
         """Wake every waiter for good: the plugin is stopping."""

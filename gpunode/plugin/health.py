@@ -16,6 +16,12 @@ What it does beyond NVIDIA's plugin, whose known weak points are listed in the d
   something is unhealthy.
 - A failed wait is logged and retried with backoff (a new event set, re-initialising NVML if it was torn
   down), and never marks anything unhealthy by itself.
+- "Cannot monitor" is not "unhealthy": when NVML answers NOT_SUPPORTED, FUNCTION_NOT_FOUND or
+  NO_PERMISSION to a lookup, a probe or an event registration, the GPU stays schedulable and is reported
+  *unmonitored* (`DeviceRegistry.unmonitored`, the status file, `plugin status`, doctor). Only real
+  signals make a GPU unhealthy: GPU_IS_LOST, a critical Xid, a double-bit ECC error. (An NVML without
+  nvmlDeviceGetHandleByUUID used to turn every GPU unhealthy: 0 allocatable, the commonest GPU-node
+  failure in the field.)
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from gpunode.errors import ConfigError
-from gpunode.nvml.discovery import FUNCTION_NOT_FOUND, GPU_IS_LOST, NOT_SUPPORTED, session_lock
+from gpunode.nvml.discovery import FUNCTION_NOT_FOUND, GPU_IS_LOST, NO_PERMISSION, NOT_SUPPORTED, session_lock
 from gpunode.nvml.model import Gpu, MigDevice
 from gpunode.plugin.devices import DeviceRegistry, Unit
 
@@ -52,6 +58,8 @@ WATCHED_EVENTS = EVENT_XID | EVENT_DOUBLE_BIT_ECC
 NO_INSTANCE = 0xFFFFFFFF  # gpuInstanceId / computeInstanceId of an event for the whole GPU
 UNINITIALIZED = 1
 TIMEOUT = 10
+# NVML's "I cannot / may not tell you": the GPU may be perfectly fine, we just cannot watch it.
+CANNOT_MONITOR = frozenset({NOT_SUPPORTED, NO_PERMISSION, FUNCTION_NOT_FOUND})
 
 WAIT_SLICE_S = 0.25  # the longest single nvmlEventSetWait: how late stop() can be noticed
 BACKOFF_FIRST_S = 0.1
@@ -377,6 +385,7 @@ class HealthMonitor:
                     nvml.nvmlInit()
             except nvml.NVMLError as exc:
                 self._log.warning("NVML initialisation for health checks failed: %s", exc)
+                self._all_unmonitored(f"health checks cannot initialise NVML ({exc})")
                 return False
             self._initialised = True
         try:
@@ -385,6 +394,8 @@ class HealthMonitor:
             if _code(exc) == UNINITIALIZED:
                 raise _NvmlGone from exc
             self._log.warning("creating an NVML event set failed: %s", exc)
+            # No event set, no events: every GPU stays schedulable, and says it is not watched.
+            self._all_unmonitored(f"NVML cannot create an event set ({exc})")
             return False
         now = self._clock()
         failures = [(w, f) for w in self._watched.values() if (f := self._register(w)) is not None]
@@ -420,38 +431,83 @@ class HealthMonitor:
             self._event_set = None
 
     def _register(self, watched: _Watched) -> Exception | None:
-        """Register the GPU's supported health events on the current set; the NVML error if that failed."""
+        """Register the GPU's supported health events on the current set.
+
+        Returns the NVML error only for a lost GPU (the one failure that says something about the GPU);
+        any other refusal or failure leaves the GPU healthy and records it as unmonitored, with why.
+        """
         nvml = self._nvml
+        step = "looking it up"
+        unmonitored: str | None = None
+        wanted = 0
         try:
-            handle = nvml.nvmlDeviceGetHandleByUUID(watched.uuid)
-            watched.address = _address(handle)
-            try:
-                supported = int(nvml.nvmlDeviceGetSupportedEventTypes(handle))
-            except nvml.NVMLError as exc:
-                if _code(exc) not in (NOT_SUPPORTED, FUNCTION_NOT_FOUND):
-                    raise
-                supported = 0
-            wanted = supported & WATCHED_EVENTS
-            if wanted:
-                nvml.nvmlDeviceRegisterEvents(handle, wanted, self._event_set)
+            handle = self._lookup(watched.uuid, watched.index)
+            if handle is None:
+                unmonitored = (
+                    f"NVML has no UUID lookup and index {watched.index} is another GPU now, so this one "
+                    "cannot be found"
+                )
+            else:
+                watched.address = _address(handle)
+                step = "asking for its supported events"
+                try:
+                    supported = int(nvml.nvmlDeviceGetSupportedEventTypes(handle))
+                except nvml.NVMLError as exc:
+                    if _code(exc) not in CANNOT_MONITOR:
+                        raise
+                    # Older drivers lack the query but still deliver events: try what we watch.
+                    supported = WATCHED_EVENTS
+                wanted = supported & WATCHED_EVENTS
+                if wanted:
+                    step = "registering its Xid/ECC events"
+                    nvml.nvmlDeviceRegisterEvents(handle, wanted, self._event_set)
+                else:
+                    unmonitored = "it supports no Xid or double-bit ECC events"
         except nvml.NVMLError as exc:
-            if _code(exc) == UNINITIALIZED:
+            code = _code(exc)
+            if code == UNINITIALIZED:
                 raise _NvmlGone from exc
-            if _code(exc) != NOT_SUPPORTED:
+            if code == GPU_IS_LOST:
                 failure: Exception = exc  # pynvml is untyped
                 return failure
-            self._log.warning("%s is too old for NVML event notification (%s)", watched.label, exc)
             wanted = 0
+            unmonitored = f"NVML refused {step} ({exc})"
         watched.registered = True
         watched.events = wanted
-        if not wanted:
-            self._log.warning(
-                "%s supports no Xid or double-bit ECC events; only a lost GPU can be noticed on it",
-                watched.label,
-            )
-        elif wanted != WATCHED_EVENTS:
+        self._set_unmonitored(watched, unmonitored)
+        if wanted and wanted != WATCHED_EVENTS:
             self._log.info("%s supports only %s events", watched.label, _event_names(wanted))
         return None
+
+    def _lookup(self, uuid: str, index: int | None) -> Any:
+        """The device's NVML handle by UUID; where NVML has no UUID lookup, by index with the UUID checked.
+
+        None when the index now holds another GPU (a re-enumeration): the GPU cannot be found safely.
+        """
+        nvml = self._nvml
+        try:
+            return nvml.nvmlDeviceGetHandleByUUID(uuid)
+        except nvml.NVMLError as exc:
+            if _code(exc) not in (NOT_SUPPORTED, FUNCTION_NOT_FOUND) or index is None:
+                raise
+        handle = nvml.nvmlDeviceGetHandleByIndex(index)
+        return handle if _text(nvml.nvmlDeviceGetUUID(handle)) == uuid else None
+
+    def _set_unmonitored(self, watched: _Watched, reason: str | None) -> None:
+        if not self._registry.set_unmonitored(watched.uuid, watched.index, reason):
+            return  # said already (a re-arm finds the same)
+        if reason is not None:
+            self._log.warning(
+                "%s is not monitored: %s; it stays schedulable, but an Xid or ECC error on it goes unnoticed",
+                watched.label,
+                reason,
+            )
+        else:
+            self._log.info("%s is monitored again", watched.label)
+
+    def _all_unmonitored(self, reason: str) -> None:
+        for watched in self._watched.values():
+            self._set_unmonitored(watched, reason)
 
     def _wait_once(self, backoff: _Backoff) -> None:
         nvml = self._nvml
@@ -563,7 +619,7 @@ class HealthMonitor:
         now = self._clock()
         lost = new = 0
         for watched in self._watched.values():
-            failure = self._probe(watched.uuid)
+            failure = self._probe(watched.uuid, watched.index)
             if failure is not None and _code(failure) == GPU_IS_LOST:
                 lost += 1
                 trouble = self._troubles.get(Unit(watched.index))
@@ -594,15 +650,13 @@ class HealthMonitor:
         trouble.reason = reason
 
     def _probe_failed(self, unit: Unit, exc: Exception, now: float) -> None:
+        """A registration found the GPU lost (the only failure _register reports)."""
         if _code(exc) == UNINITIALIZED:
             raise _NvmlGone from exc
-        if _code(exc) == GPU_IS_LOST:
-            watched = self._watched.get(unit.gpu_index)
-            if watched is not None and unit.instance is None:
-                watched.registered = False
-            self._mark_bad(unit, LOST_REASON, now)
-        else:
-            self._mark_bad(unit, f"not reachable through NVML ({exc})", now)
+        watched = self._watched.get(unit.gpu_index)
+        if watched is not None and unit.instance is None:
+            watched.registered = False
+        self._mark_bad(unit, LOST_REASON, now)
 
     def _recheck_interval(self) -> float:
         quiet = self._settings.recovery_quiet_period
@@ -634,20 +688,11 @@ class HealthMonitor:
             if now - trouble.since < quiet:
                 trouble.next_check = min(now + self._recheck_interval(), trouble.since + quiet)
                 continue
-            if unit.instance is None and not watched.registered:
-                # Back from the bus (or first reachable now): its events need registering again.
-                failure = self._register(watched)
-                if failure is not None and _code(failure) == GPU_IS_LOST:
-                    self._mark_bad(unit, LOST_REASON, now)
-                    continue
-                if failure is not None:
-                    self._log.warning(
-                        "registering %s's events again failed (%s); making a new event set",
-                        watched.label,
-                        failure,
-                    )
-                    self._disarm()  # the next loop arms a new set, with every GPU on it
-                    return
+            # Back from the bus (or first reachable now): its events need registering again. Only a lost
+            # GPU fails that; a refusal leaves the GPU healthy and unmonitored.
+            if unit.instance is None and not watched.registered and self._register(watched) is not None:
+                self._mark_bad(unit, LOST_REASON, now)
+                continue
             del self._troubles[unit]
             self._log.info(
                 "%s healthy again: NVML has reported it fine for %gs since %s",
@@ -658,24 +703,25 @@ class HealthMonitor:
             self._registry.mark(unit, None)
 
     def _probe_unit(self, watched: _Watched, unit: Unit) -> Exception | None:
-        failure = self._probe(watched.uuid)
+        failure = self._probe(watched.uuid, watched.index)
         if failure is None and unit.instance is not None:
             mig = watched.mig_at(unit.instance)
             if mig is not None and mig.uuid:
                 failure = self._probe(mig.uuid)
         return failure
 
-    def _probe(self, uuid: str) -> Exception | None:
+    def _probe(self, uuid: str, index: int | None = None) -> Exception | None:
         """None if NVML finds the device by UUID and it answers a cheap query; else the NVML error."""
         nvml = self._nvml
         try:
-            handle = nvml.nvmlDeviceGetHandleByUUID(uuid)
-            nvml.nvmlDeviceGetMemoryInfo(handle)
+            handle = self._lookup(uuid, index)
+            if handle is not None:
+                nvml.nvmlDeviceGetMemoryInfo(handle)
         except nvml.NVMLError as exc:
             code = _code(exc)
             if code == UNINITIALIZED:
                 raise _NvmlGone from exc
-            if code in (NOT_SUPPORTED, FUNCTION_NOT_FOUND):
+            if code in CANNOT_MONITOR:
                 return None  # it answered, with a refusal: reachable
             failure: Exception = exc  # pynvml is untyped
             return failure

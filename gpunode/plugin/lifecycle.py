@@ -57,6 +57,14 @@ class ResourceStatus:
     healthy: int
     registered: bool = False
     refused: str | None = None  # kubelet's reason, when it refused the registration
+    unmonitored: int = 0  # devices on GPUs the health monitor cannot watch (healthy all the same)
+
+
+@dataclass(frozen=True)
+class UnmonitoredGpu:
+    index: int
+    uuid: str
+    reason: str
 
 
 @dataclass
@@ -66,6 +74,7 @@ class PluginStatus:
     resources: list[ResourceStatus] = field(default_factory=list)
     waiting_for: str | None = None  # "kubelet", "NVML", "GPUs", "the device-plugins directory"
     nvml_error: str | None = None
+    unmonitored: list[UnmonitoredGpu] = field(default_factory=list)
 
     @property
     def ready(self) -> bool:
@@ -76,6 +85,7 @@ class PluginStatus:
             return f"waiting for {self.waiting_for}"
         parts = [
             f"{r.name}: {r.healthy}/{r.devices} healthy, "
+            + (f"{r.unmonitored} unmonitored, " if r.unmonitored else "")
             + ("registered" if r.registered else f"refused ({r.refused})" if r.refused else "registering")
             for r in self.resources
         ]
@@ -443,6 +453,7 @@ class Plugin:
         served.retry_timer.start()
 
     def _update_status(self, waiting_for: str | None) -> None:
+        unmonitored = self.registry.unmonitored()
         resources = []
         for resource in self.registry.resources():
             _, states = self.registry.snapshot(resource.name)
@@ -457,10 +468,16 @@ class Plugin:
                     and served.registered_with is not None
                     and not served.refused,
                     refused=served.refused if served else None,
+                    unmonitored=sum(1 for s in states if s.device.gpu_uuid in unmonitored),
                 )
             )
         if waiting_for and waiting_for != self.status.waiting_for:
             log.info("waiting for %s", waiting_for)
-        self.status = PluginStatus(resources, waiting_for, self.status.nvml_error)
+        self.status = PluginStatus(
+            resources,
+            waiting_for,
+            self.status.nvml_error,
+            [UnmonitoredGpu(i, u, why) for u, (i, why) in sorted(unmonitored.items(), key=lambda e: e[1][0])],
+        )
         if self.on_status is not None:
             self.on_status(self.status)

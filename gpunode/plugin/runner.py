@@ -36,7 +36,9 @@ class StatusReporter:
         self.notifier = notifier
         self.path = host.env.get(STATUS_FILE_ENV) or STATUS_FILE
         self.ready_sent = False
+        self.was_ready = False
         self.last: str | None = None
+        self.write_error: str | None = None  # the last failure to write the file, said once
         self.log = logging.getLogger("gpunode.plugin")
 
     def __call__(self, status: PluginStatus) -> None:
@@ -44,10 +46,14 @@ class StatusReporter:
         # The file first: whoever sees the unit turn active (READY=1) must find the same facts in it.
         self._write(status, summary)
         if status.ready and not self.ready_sent:
-            self.ready_sent = self.notifier.ready(summary) or self.ready_sent
-            self.log.info("ready: %s", summary)
+            # Outside systemd nothing is sent; READY=1 is not tried again on every later update.
+            self.ready_sent = self.notifier.ready(summary) or not self.notifier.enabled
         elif summary != self.last:
             self.notifier.status(summary)
+        if status.ready and not self.was_ready:
+            # Once per becoming ready (start, after a kubelet restart), not once per update or stream.
+            self.log.info("ready: %s", summary)
+        self.was_ready = status.ready
         self.last = summary
 
     def _write(self, status: PluginStatus, summary: str) -> None:
@@ -58,12 +64,26 @@ class StatusReporter:
             "nvml_error": status.nvml_error,
             "summary": summary,
             "resources": [dataclasses.asdict(r) for r in status.resources],
+            "unmonitored": [dataclasses.asdict(u) for u in status.unmonitored],
         }
         try:
             self.host.make_dirs(os.path.dirname(self.path), mode=0o755)
             self.host.write_file(self.path, json.dumps(document, indent=2) + "\n", mode=0o644)
-        except GpunodeError as err:  # status is a courtesy: never let it stop the plugin
-            self.log.debug("cannot write %s: %s", self.path, err.message)
+        except (GpunodeError, OSError) as err:  # the status is a courtesy: never let it stop the plugin
+            message = err.message if isinstance(err, GpunodeError) else f"{err.strerror or err}"
+            if message != self.write_error:  # once per distinct failure: it recurs on every update
+                self.log.warning(
+                    "cannot write the status file %s (%s); serving on without it (`gpunode plugin status` "
+                    "will not see this plugin; %s puts the file elsewhere)",
+                    self.path,
+                    message,
+                    STATUS_FILE_ENV,
+                )
+                self.write_error = message
+            return
+        if self.write_error is not None:
+            self.log.info("status file %s written again", self.path)
+            self.write_error = None
 
     def remove(self) -> None:
         with contextlib.suppress(GpunodeError):

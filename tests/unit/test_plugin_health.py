@@ -315,7 +315,8 @@ def test_only_supported_event_types_are_registered(
     node = make_node(None, config=config, replicas=1)
     node.armed()
     assert "events registered on 2 of 3 GPU(s)" in logs.text
-    assert f"GPU 1 ({node.uuid(1)}) supports no Xid or double-bit ECC events" in logs.text
+    expected = f"GPU 1 ({node.uuid(1)}) is not monitored: it supports no Xid or double-bit ECC events"
+    assert expected in logs.text
     assert f"GPU 0 ({node.uuid(0)}) supports only Xid events" in logs.text
     node.inject("xid 0 79")
     node.inject("ecc 2")
@@ -472,3 +473,101 @@ class FakeClock:
     def advance(self, seconds: float) -> None:
         with self.lock:
             self.now += seconds
+
+
+# ---------------------------------------------------------------------------------------------
+# "Cannot monitor" is not "unhealthy"
+# ---------------------------------------------------------------------------------------------
+
+
+def test_nvml_without_uuid_lookup_keeps_every_gpu_healthy_and_watched_by_index(
+    make_node: Callable[..., Node], tmp_path: Path, logs: pytest.LogCaptureFixture
+) -> None:
+    # The field's commonest GPU-node failure: such an NVML used to turn every GPU unhealthy (0 allocatable).
+    config = tmp_path / "machine.ini"
+    config.write_text("[system]\nmissing = nvmlDeviceGetHandleByUUID\n[gpu]\n[gpu]\n")
+    node = make_node(None, config=config, replicas=1)
+    node.armed()
+    assert "events registered on 2 of 2 GPU(s)" in logs.text
+    assert node.unhealthy() == {}
+    assert node.registry.unmonitored() == {}
+    assert all(reason is None for reason in node.devices().values())
+    # Found by index (its UUID checked), so its events still arrive and still count.
+    node.inject("xid 1 79")
+    assert until(lambda: Unit(1) in node.unhealthy())
+    assert set(node.unhealthy()) == {Unit(1)}
+
+
+@pytest.mark.parametrize(
+    ("machine", "step"),
+    [
+        # FUNCTION_NOT_FOUND: a library without the call.
+        ("[system]\nmissing = nvmlDeviceRegisterEvents\n[gpu]\n[gpu]\n", "registering its Xid/ECC events"),
+        # NOT_SUPPORTED, per GPU; the supported-events query refused too (it is then tried anyway).
+        (
+            "[gpu]\nunsupported = nvmlDeviceRegisterEvents, nvmlDeviceGetSupportedEventTypes\n" * 2,
+            "registering its Xid/ECC events",
+        ),
+    ],
+)
+def test_refused_event_registration_leaves_the_gpu_healthy_and_unmonitored(
+    make_node: Callable[..., Node],
+    tmp_path: Path,
+    logs: pytest.LogCaptureFixture,
+    machine: str,
+    step: str,
+) -> None:
+    config = tmp_path / "machine.ini"
+    config.write_text(machine)
+    node = make_node(None, config=config, replicas=1)
+    node.armed()
+    assert node.unhealthy() == {}
+    assert all(reason is None for reason in node.devices().values())
+    unmonitored = node.registry.unmonitored()
+    assert sorted(index for index, _ in unmonitored.values()) == [0, 1]
+    assert all(why.startswith(f"NVML refused {step} (") for _, why in unmonitored.values())
+    assert f"GPU 0 ({node.uuid(0)}) is not monitored: NVML refused {step}" in logs.text
+    assert "it stays schedulable" in logs.text
+
+
+def test_no_permission_for_events_is_unmonitored_not_unhealthy(
+    make_node: Callable[..., Node], monkeypatch: pytest.MonkeyPatch, logs: pytest.LogCaptureFixture
+) -> None:
+    import pynvml
+
+    def refuse(*_args: object) -> None:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_NO_PERMISSION)
+
+    # The fake library has no switch for NO_PERMISSION: the real pynvml call is replaced for GPU 2 only.
+    real = pynvml.nvmlDeviceRegisterEvents
+    node = make_node(replicas=1)
+    target = node.uuid(2)
+
+    def register(handle: object, events: int, event_set: object) -> None:
+        if pynvml.nvmlDeviceGetUUID(handle) == target:
+            refuse()
+        real(handle, events, event_set)
+
+    monkeypatch.setattr(pynvml, "nvmlDeviceRegisterEvents", register)
+    node.armed()
+    assert node.unhealthy() == {}
+    assert list(node.registry.unmonitored()) == [target]
+    assert "events registered on 3 of 4 GPU(s)" in logs.text
+    # The others are still watched; the unmonitored one is still served as healthy.
+    node.inject("xid 0 79")
+    assert until(lambda: Unit(0) in node.unhealthy())
+    assert set(node.unhealthy()) == {Unit(0)}
+
+
+def test_a_gpu_without_events_is_reported_unmonitored_and_the_others_still_count(
+    make_node: Callable[..., Node], tmp_path: Path
+) -> None:
+    config = tmp_path / "machine.ini"
+    config.write_text("[gpu]\nsupported_events = 0\n[gpu]\n")
+    node = make_node(None, config=config, replicas=1)
+    node.armed()
+    assert node.registry.unmonitored() == {node.uuid(0): (0, "it supports no Xid or double-bit ECC events")}
+    assert node.unhealthy() == {}
+    node.inject("ecc 1")
+    assert until(lambda: Unit(1) in node.unhealthy())
+    assert set(node.unhealthy()) == {Unit(1)}
