@@ -14,6 +14,7 @@ class ExitCode(IntEnum):
 
     OK = 0
     UNHEALTHY = 1  # the command ran, and what it checked is not healthy (doctor found a failure)
+    DECLINED = 1  # the operator answered no to a confirmation: nothing was changed
     USAGE = 2  # a wrong flag or argument (click's own code for usage errors)
     ERROR = 3  # a gpunode error with no more specific code
     CONFIG = 4  # a file gpunode must read is malformed or of an unknown format

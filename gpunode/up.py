@@ -15,10 +15,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from gpunode.errors import GpunodeError, NotFound
 from gpunode.host import Host
 from gpunode.nvml.model import Inventory
+
+if TYPE_CHECKING:
+    from gpunode.runtimes.plan import RuntimePlan
 
 # doctor findings that gpunode up cannot fix: it stops before changing anything
 BLOCKING_PREFIXES = ("driver", "nvml", "kubelet")
@@ -51,18 +55,20 @@ class Step:
     fix: str | None = None
     apply: Callable[[], str] | None = None  # does the step; returns the line to print
     error: GpunodeError | None = None  # why it could not be planned
+    skipped: bool = False  # not done and not to do: shown as skipped, never as done
+    warnings: list[str] = field(default_factory=list)  # what the step disrupts, said before asking
 
 
 def plan_up(host: Host, opts: UpOptions, discover: Callable[[Host], Inventory]) -> list[Step]:
     """Every step's plan. A step that cannot even be planned (no key, no runtime) is shown with its error,
     so that the whole plan is still printed; `up` then stops before changing anything."""
-    steps = [_planned("preflight", lambda: _preflight(host, discover))]
+    steps = [planned("preflight", lambda: _preflight(host, discover))]
     for name in ("toolkit", "runtime", "plugin", "labels"):
-        steps.append(_planned(name, lambda name=name: replan(host, opts, discover, name)))  # type: ignore[misc]
+        steps.append(planned(name, lambda name=name: replan(host, opts, discover, name)))  # type: ignore[misc]
     return steps
 
 
-def _planned(name: str, plan: Callable[[], Step]) -> Step:
+def planned(name: str, plan: Callable[[], Step]) -> Step:
     try:
         return plan()
     except GpunodeError as exc:
@@ -154,29 +160,51 @@ def _toolkit(host: Host, opts: UpOptions) -> Step:
 
 
 def _runtime(host: Host, opts: UpOptions) -> Step:
-    from gpunode.runtimes import configure, records
+    from gpunode.runtimes import configure
     from gpunode.runtimes.plan import ConfigureOptions
 
     runtime, _why = configure.choose_runtime(host, opts.runtime)
     configure_opts = ConfigureOptions(set_as_default=True)
     plan = configure.plan_configure(host, runtime, configure_opts)
-    if not plan.pending:
-        return Step("runtime", f"{runtime} is configured for the nvidia runtime (the default)", needed=False)
+    return runtime_step(host, plan, lambda: configure.plan_configure(host, runtime, configure_opts))
+
+
+def runtime_step(host: Host, plan: RuntimePlan, replan: Callable[[], RuntimePlan]) -> Step:
+    """The runtime step of up (configure) or down (revert): the diffs, and the restart with every command
+    it runs and what it does to running containers."""
+    from gpunode.runtimes import configure, records, service
+
+    runtime = plan.runtime
+    restart = host.is_real_root and plan.standard_location
+    restarts = configure.will_restart(host, plan, restart)
+    if not plan.pending and not restarts:
+        done = "has none of gpunode's changes" if plan.revert else "is configured for the nvidia runtime"
+        return Step("runtime", f"{runtime} {done}", needed=False)
+    details = [c.diff() for c in plan.pending]
+    if restarts:
+        details += [f"run: {' '.join(argv)}" for argv in service.restart_commands(host, plan)]
+        details.append(f"warning: {service.disruption(host, plan)}")
+    warnings = [service.disruption(host, plan)] if restarts else []
 
     def apply() -> str:
         with host.lock(records.LOCK):
-            fresh = configure.plan_configure(host, runtime, configure_opts)
-            outcome = configure.apply(host, fresh, restart=host.is_real_root and fresh.standard_location)
+            fresh = replan()
+            outcome = configure.apply(host, fresh, restart=restart)
         restarted = f"; restarted {fresh.unit}" if outcome.restarted else ""
-        return f"{runtime}: wrote {', '.join(outcome.written)}{restarted}"
+        verb = "restored" if fresh.revert else "wrote"
+        files = ", ".join([*outcome.written, *outcome.removed]) or "no file"
+        return f"{runtime}: {verb} {files}{restarted}"
 
+    what = "revert gpunode's changes to" if plan.revert else "configure"
+    goal = "" if plan.revert else " for the nvidia runtime, as the default"
+    files = ", ".join(c.path for c in plan.pending) or "restart only"
     return Step(
         "runtime",
-        f"configure {runtime} for the nvidia runtime, as the default "
-        f"({', '.join(c.path for c in plan.pending)})",
+        f"{what} {runtime}{goal} ({files})" + (f", then restart {plan.unit}" if restarts else ""),
         needed=True,
-        details=[c.diff() for c in plan.pending],
+        details=details,
         apply=apply,
+        warnings=warnings,
     )
 
 
@@ -212,7 +240,7 @@ def _plugin(host: Host, opts: UpOptions) -> Step:
 
 def _labels(host: Host, opts: UpOptions, discover: Callable[[Host], Inventory]) -> Step:
     if not opts.labels:
-        return Step("labels", "GPU labels not wanted (--no-labels)", needed=False)
+        return Step("labels", "GPU labels not wanted (--no-labels)", needed=False, skipped=True)
     from gpunode.advertise import AdvertiseOptions, advertise
     from gpunode.kube.client import KubeClient
 
@@ -222,7 +250,7 @@ def _labels(host: Host, opts: UpOptions, discover: Callable[[Host], Inventory]) 
         )
     except NotFound as exc:
         return Step(
-            "labels", "skipped: no Kubernetes API credentials on this node", needed=False, fix=exc.fix
+            "labels", "no Kubernetes API credentials on this node", needed=False, fix=exc.fix, skipped=True
         )
     adv_opts = AdvertiseOptions(node=opts.node, capacity=False)  # capacity is the device plugin's
     inventory = discover(host)

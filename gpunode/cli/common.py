@@ -23,9 +23,13 @@ def refuse_foreign_root(host: Host, dry_run: bool) -> None:
         )
 
 
-def confirm(yes: bool, what: str) -> None:
+def confirm(yes: bool, what: str, warning: str | None = None) -> None:
+    """Ask before a change that disrupts; --yes answers for automation. Declining exits 1 (the operator's
+    choice, not an interruption)."""
     from gpunode.errors import ExitCode, UsageError
 
+    if warning:
+        typer.echo(f"warning: {warning}")
     if yes:
         return
     if not sys.stdin.isatty():
@@ -36,4 +40,4 @@ def confirm(yes: bool, what: str) -> None:
         )
     if not typer.confirm("Go ahead?", default=False):
         typer.echo("nothing was changed")
-        raise typer.Exit(int(ExitCode.INTERRUPTED))
+        raise typer.Exit(int(ExitCode.DECLINED))

@@ -69,11 +69,12 @@ def state(ctx: typer.Context) -> AppState:
 
 
 def _register_commands() -> None:
-    from gpunode.cli import doctor, node, plugin, runtime, toolkit, up
+    from gpunode.cli import doctor, down, node, plugin, runtime, toolkit, up
 
     app.command("doctor")(doctor.doctor)
     app.command("configure-runtime")(runtime.configure_runtime)
     app.command("up")(up.up)
+    app.command("down")(down.down)
     app.add_typer(plugin.app, name="plugin")
     app.add_typer(toolkit.app, name="toolkit")
     app.add_typer(node.app, name="node")

@@ -12,6 +12,7 @@ from gpunode.errors import UsageError
 from gpunode.runtimes.plan import DEFAULT_RUNTIME_PATH
 
 if TYPE_CHECKING:
+    from gpunode.host import Host
     from gpunode.runtimes.configure import Outcome
     from gpunode.runtimes.plan import RuntimePlan
 
@@ -56,6 +57,9 @@ def configure_runtime(
     revert: bool = typer.Option(
         False, "--revert", help="Put back the configuration as it was before gpunode changed it."
     ),
+    yes: bool = typer.Option(
+        False, "--yes", "-y", help="Restart the runtime without asking (unattended use)."
+    ),
 ) -> None:
     """Add the NVIDIA runtime to docker, containerd or CRI-O: atomically, with a backup and a way back.
 
@@ -82,12 +86,21 @@ def configure_runtime(
         typer.echo(why)
     if dry_run:
         plan = (configure.plan_revert if revert else configure.plan_configure)(host, chosen, opts)
+        do_restart = restart if restart is not None else host.is_real_root and plan.standard_location
         _render_plan(plan, dry_run=True)
+        if configure.will_restart(host, plan, do_restart):
+            _render_restart(host, plan, dry_run=True)
         return
     with host.lock(records.LOCK):
         plan = (configure.plan_revert if revert else configure.plan_configure)(host, chosen, opts)
         do_restart = restart if restart is not None else host.is_real_root and plan.standard_location
         _render_plan(plan, dry_run=False)
+        if configure.will_restart(host, plan, do_restart):
+            from gpunode.cli.common import confirm
+            from gpunode.runtimes import service
+
+            _render_restart(host, plan, dry_run=False)
+            confirm(yes, f"restarting {plan.runtime}", service.disruption(host, plan))
         outcome = configure.apply(host, plan, restart=do_restart)
     hint = ["gpunode"] + ([f"--root {host.root}"] if not host.is_real_root else [])
     hint += ["configure-runtime", plan.runtime, "--revert"] + (
@@ -117,6 +130,16 @@ def _render_plan(plan: RuntimePlan, *, dry_run: bool) -> None:
         )
     elif dry_run:
         typer.echo(f"dry run: {len(plan.pending)} file(s) would change; nothing was changed")
+
+
+def _render_restart(host: Host, plan: RuntimePlan, *, dry_run: bool) -> None:
+    from gpunode.runtimes import service
+
+    commands = service.restart_commands(host, plan)
+    typer.echo(f"{'would run' if dry_run else 'will run'}: {' '.join(commands[0])}")
+    typer.echo(f"then wait until {plan.runtime} answers: {' '.join(commands[1])}")
+    if dry_run:
+        typer.echo(f"note: {service.disruption(host, plan)}")
 
 
 def _render_outcome(outcome: Outcome, restarted: bool, revert_hint: str) -> None:

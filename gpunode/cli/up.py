@@ -89,7 +89,7 @@ def up(
         on_output=lambda line: typer.echo(f"    | {line}"),
     )
     steps = plan_up(host, opts, discover)
-    _print_plan(steps, verbose=dry_run)
+    print_plan(steps, verbose=dry_run)
     blocked = next((s for s in steps if s.blocked), None)
     if blocked is not None and blocked.error is not None:
         blocked.error.message = f"step {blocked.name}: {blocked.error.message}; gpunode up changed nothing"
@@ -106,7 +106,8 @@ def up(
     if dry_run:
         typer.echo("dry run: nothing was changed")
         return
-    confirm(yes, "up")
+    warnings = [w for s in steps if s.needed for w in s.warnings]
+    confirm(yes, "up", "; ".join(warnings) or None)
 
     def on_step(n: int, total: int, step: Step) -> None:
         typer.echo(f"==> [{n}/{total}] {step.name}: {step.summary}")
@@ -118,10 +119,12 @@ def up(
     typer.echo("the node is set up; `gpunode doctor` checks it")
 
 
-def _print_plan(steps: list[Step], *, verbose: bool) -> None:
+def print_plan(steps: list[Step], *, verbose: bool) -> None:
     typer.echo("plan:")
     for step in steps:
-        mark = "blocked" if step.blocked else ("to do" if step.needed else "done")
+        mark = (
+            "blocked" if step.blocked else "to do" if step.needed else "skipped" if step.skipped else "done"
+        )
         typer.echo(f"  [{mark:>7}] {step.name}: {step.summary}")
         if verbose:
             for line in step.details:

@@ -180,6 +180,12 @@ class Outcome:
         return bool(self.written or self.removed)
 
 
+def will_restart(host: Host, plan: RuntimePlan, restart: bool) -> bool:
+    """Whether apply() restarts the runtime: it changes files, or it changed them before and the runtime
+    has not been restarted since (the record knows)."""
+    return restart and bool(plan.pending or plan.runtime in records.load(host).restart_pending)
+
+
 def apply(
     host: Host,
     plan: RuntimePlan,

@@ -6,7 +6,7 @@ import json
 import time
 from collections.abc import Callable
 
-from gpunode.errors import CommandFailed
+from gpunode.errors import CommandFailed, GpunodeError
 from gpunode.host import Host
 from gpunode.runtimes.plan import RuntimePlan
 from gpunode.services import journal_tail
@@ -14,6 +14,54 @@ from gpunode.services import journal_tail
 RESTART_TIMEOUT = 120.0
 READY_TIMEOUT = 60.0
 SOCKET = "/run/containerd/containerd.sock"
+
+
+def restart_commands(host: Host, plan: RuntimePlan) -> list[list[str]]:
+    """Every command a restart runs, for plans and dry runs: the restart, then the readiness check."""
+    unit = plan.unit or f"{plan.runtime}.service"
+    return [["systemctl", "restart", unit], readiness_command(host, plan)]
+
+
+def readiness_command(host: Host, plan: RuntimePlan) -> list[str]:
+    if plan.runtime == "docker":
+        fmt = "{{json .Runtimes}}\t{{.DefaultRuntime}}"
+        return ["docker", "-H", f"unix://{plan.socket}", "info", "--format", fmt]
+    if plan.runtime == "containerd":
+        ctr = ["ctr"] if host.which("ctr") or plan.flavour == "containerd" else [plan.flavour, "ctr"]
+        return [*ctr, "--address", plan.socket or SOCKET, "plugins", "ls"]
+    return ["systemctl", "is-active", plan.unit or "crio.service"]
+
+
+def disruption(host: Host, plan: RuntimePlan) -> str:
+    """What a restart does to the containers running now, in the operator's terms."""
+    unit = plan.unit or f"{plan.runtime}.service"
+    if plan.runtime == "docker":
+        if _docker_live_restore(host, plan):
+            return (
+                f"restarting {unit}: containers keep running (live-restore is on), but the docker API "
+                "is down until dockerd is back"
+            )
+        return (
+            f"restarting {unit} STOPS every running container on this node (live-restore is off in "
+            "daemon.json); they start again only if their restart policy says so"
+        )
+    return (
+        f"restarting {unit}: running containers keep running (their shims stay), but kubelet cannot start "
+        f"or stop pods until {plan.runtime} is back"
+    )
+
+
+def _docker_live_restore(host: Host, plan: RuntimePlan) -> bool:
+    from gpunode.runtimes.docker import parse_daemon_json
+
+    for change in plan.changes:
+        text = change.after if change.after is not None else change.before
+        if text is not None:
+            try:
+                return parse_daemon_json(text, change.path).get("live-restore") is True
+            except GpunodeError:
+                return False
+    return False
 
 
 def restart(host: Host, plan: RuntimePlan) -> None:
@@ -51,8 +99,7 @@ def wait_until_ready(
 
 
 def _check_docker(host: Host, plan: RuntimePlan) -> tuple[bool, str]:
-    fmt = "{{json .Runtimes}}\t{{.DefaultRuntime}}"
-    result = host.run(["docker", "-H", f"unix://{plan.socket}", "info", "--format", fmt], timeout=15)
+    result = host.run(readiness_command(host, plan), timeout=15)
     if not result.ok:
         return False, f"`docker info` failed: {(result.stderr or result.stdout).strip()}"
     runtimes_json, _, default = result.stdout.strip().partition("\t")
@@ -64,9 +111,8 @@ def _check_docker(host: Host, plan: RuntimePlan) -> tuple[bool, str]:
 
 
 def _check_containerd(host: Host, plan: RuntimePlan) -> tuple[bool, str]:
-    ctr = ["ctr"] if host.which("ctr") or plan.flavour == "containerd" else [plan.flavour, "ctr"]
-    address = ["--address", plan.socket or SOCKET]
-    result = host.run([*ctr, *address, "plugins", "ls"], timeout=15)
+    listing = readiness_command(host, plan)
+    result = host.run(listing, timeout=15)
     if not result.ok:
         why = (result.stderr or result.stdout).strip()
         return False, f"containerd does not answer on {plan.socket}: {why}"
@@ -75,7 +121,7 @@ def _check_containerd(host: Host, plan: RuntimePlan) -> tuple[bool, str]:
         if len(words) >= 3 and words[0] == "io.containerd.grpc.v1" and words[1] == "cri":
             if words[-1] == "ok":
                 return True, "containerd answers and its CRI plugin is ok"
-            detail = host.run([*ctr, *address, "plugins", "ls", "-d", "id==cri"], timeout=15)
+            detail = host.run([*listing, "-d", "id==cri"], timeout=15)
             return False, f"containerd's CRI plugin is in state {words[-1]!r}:\n{detail.stdout.strip()}"
     return False, "containerd answers but lists no CRI plugin"
 

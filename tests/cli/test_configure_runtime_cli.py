@@ -138,9 +138,58 @@ def test_explicit_restart_failure_rolls_back_and_exits_8(
         ["systemctl", "restart", "docker.service"], returncode=1, stderr="Job for docker.service failed."
     )
     runner.answer(["journalctl"], "failed to start daemon: runtime name 'nvidia' is reserved\n")
-    code, _, err = run(host, capsys, "docker", "--restart")
+    code, _, err = run(host, capsys, "docker", "--restart", "--yes")
     assert code == ExitCode.COMMAND_FAILED
     assert "runtime name 'nvidia' is reserved" in err
     assert "gpunode put back the previous content of /etc/docker/daemon.json" in err
     assert path.read_text() == "{}\n"
     assert not (tmp_path / "var/lib/gpunode/runtime-changes.json").exists()  # nothing left to revert
+
+
+# -- restarts are shown in the plan, and asked for ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("daemon_json", "said"),
+    [
+        ("{}\n", "restarting docker.service STOPS every running container on this node (live-restore is off"),
+        ('{"live-restore": true}\n', "containers keep running (live-restore is on)"),
+    ],
+    ids=["live-restore-off", "live-restore-on"],
+)
+def test_dry_run_lists_the_restart_and_what_it_does_to_containers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], daemon_json: str, said: str
+) -> None:
+    put(tmp_path, "/etc/docker/daemon.json", daemon_json)
+    host, runner = node(tmp_path)
+    code, out, _ = run(host, capsys, "docker", "--restart", "--dry-run")
+    assert code == ExitCode.OK
+    assert "would run: systemctl restart docker.service" in out
+    assert "then wait until docker answers: docker -H unix:///var/run/docker.sock info --format" in out
+    assert said in out
+    assert not any(call[0] in ("systemctl", "docker") for call in runner.calls)
+
+
+def test_a_restart_is_asked_for_declined_exits_1_and_no_terminal_needs_yes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import io
+
+    path = put(tmp_path, "/etc/containerd/config.toml", DEFAULT_V2)
+    host, runner = node(tmp_path)
+    code, out, err = run(host, capsys, "containerd", "--restart")
+    assert code == ExitCode.USAGE and "add --yes" in err
+    assert "will run: systemctl restart containerd.service" in out
+    assert "kubelet cannot start or stop pods until containerd is back" in out
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr("sys.stdin", Terminal("n\n"))
+    code, out, _ = run(host, capsys, "containerd", "--restart")
+    assert code == ExitCode.DECLINED
+    assert "Go ahead?" in out and "nothing was changed" in out
+    assert path.read_text() == DEFAULT_V2
+    assert not (tmp_path / "var/lib/gpunode/runtime-changes.json").exists()
+    assert not any(call[0] == "systemctl" for call in runner.calls)

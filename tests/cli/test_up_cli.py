@@ -56,6 +56,10 @@ class FakeSystemd:
             return CommandResult(argv, 0, text, "")
         if verb == "enable":
             self.enabled.update(units)
+        elif verb == "disable":
+            self.enabled.difference_update(units)
+            if "--now" in argv:
+                self.active.update(dict.fromkeys(units, "inactive"))
         elif verb in ("start", "restart"):
             self.active.update(dict.fromkeys(units, "active"))
         elif verb != "daemon-reload":
@@ -223,7 +227,8 @@ def test_without_credentials_labels_are_skipped_not_failed(
     code = main(["up", "--key-file", str(KEY), "--key-fingerprint", KEY_FPR, "--yes"], host=node)
     out, err = capsys.readouterr()
     assert code == ExitCode.OK, err
-    assert "[   done] labels: skipped: no Kubernetes API credentials on this node" in out
+    assert "[skipped] labels: no Kubernetes API credentials on this node" in out
+    assert "[   done] labels" not in out
     assert "fix: pass --kubeconfig PATH" in out
 
 

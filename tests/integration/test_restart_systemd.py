@@ -98,7 +98,7 @@ def test_configure_restarts_containerd_and_revert_restarts_it_back(node: nspawn.
     original = node.path(CONFIG).read_bytes()
     first = invocation(node)
 
-    result = gpunode(node, "--set-as-default", "--restart", "--runtime-path", "/usr/bin/true")
+    result = gpunode(node, "--set-as-default", "--restart", "--yes", "--runtime-path", "/usr/bin/true")
     assert result.returncode == ExitCode.OK, explain(result, node)
     assert RESTARTED in result.stdout.splitlines(), explain(result, node)
     assert f"wrote {CONFIG}" in result.stdout.splitlines()
@@ -110,7 +110,7 @@ def test_configure_restarts_containerd_and_revert_restarts_it_back(node: nspawn.
     assert cri["default_runtime_name"] == "nvidia"
     assert cri["runtimes"]["nvidia"]["options"]["BinaryName"] == "/usr/bin/true"
 
-    result = gpunode(node, "--revert", "--restart")
+    result = gpunode(node, "--revert", "--restart", "--yes")
     assert result.returncode == ExitCode.OK, explain(result, node)
     assert f"restored {CONFIG}" in result.stdout.splitlines()
     assert RESTARTED in result.stdout.splitlines(), explain(result, node)
@@ -133,7 +133,7 @@ def test_a_config_containerd_cannot_start_on_is_rolled_back_and_containerd_resta
     original = node.path(CONFIG).read_bytes()
     before = invocation(node)
 
-    result = gpunode(node, "--set-as-default", "--restart", "--runtime-path", "/usr/bin/true")
+    result = gpunode(node, "--set-as-default", "--restart", "--yes", "--runtime-path", "/usr/bin/true")
     assert result.returncode == ExitCode.COMMAND_FAILED, explain(result, node)  # 8
     # systemctl's own complaint and the unit's log, so that the user sees why without digging.
     assert f"gpunode: error: `systemctl restart {UNIT}` failed: Job for {UNIT} failed" in result.stderr

@@ -323,13 +323,13 @@ def test_restart_after_a_run_that_did_not_restart(tmp_path: Path, capsys: pytest
     assert "run this command again with --restart" in capsys.readouterr().out
     assert records.load(host).restart_pending == {"docker"}
     # Nothing left to write, but the runtime never read the change: --restart restarts it.
-    assert cli(host, "docker", "--set-as-default", "--restart") == ExitCode.OK
+    assert cli(host, "docker", "--set-as-default", "--restart", "--yes") == ExitCode.OK
     out = capsys.readouterr().out
     assert "already configured" in out and "restarted docker.service" in out
     assert _restarts(runner) == [("systemctl", "restart", "docker.service")]
     assert records.load(host).restart_pending == set()
     # And once it has, a further --restart has nothing to do.
-    assert cli(host, "docker", "--set-as-default", "--restart") == ExitCode.OK
+    assert cli(host, "docker", "--set-as-default", "--restart", "--yes") == ExitCode.OK
     assert len(_restarts(runner)) == 1
 
 
@@ -345,10 +345,10 @@ def test_a_run_killed_between_the_rename_and_the_restart_is_detected(
         raise KeyboardInterrupt  # the process dies right after the rename, before systemctl ran
 
     monkeypatch.setattr(service, "restart", killed)
-    assert cli(host, "docker", "--set-as-default", "--restart") == ExitCode.INTERRUPTED
+    assert cli(host, "docker", "--set-as-default", "--restart", "--yes") == ExitCode.INTERRUPTED
     assert b"nvidia" in local(tmp_path, DAEMON_JSON).read_bytes()
     monkeypatch.undo()
-    assert cli(host, "docker", "--set-as-default", "--restart") == ExitCode.OK
+    assert cli(host, "docker", "--set-as-default", "--restart", "--yes") == ExitCode.OK
     assert _restarts(runner) == [("systemctl", "restart", "docker.service")]
 
 
