@@ -30,7 +30,8 @@ Options:
   --no-apt         with --dev: do not install Debian packages
   --python PATH    the Python interpreter to use (default: the first of /usr/bin/python3,
                    python3.13 .. python3.10, python3 that is at least $MIN_PYTHON)
-  --uninstall      remove the link and the virtualenv, and nothing else
+  --uninstall      remove the link and the virtualenv, and nothing else; refused while the device
+                   plugin service is installed (run `gpunode down` first)
   -h, --help       show this help
 EOF
 }
@@ -78,7 +79,15 @@ require_root_for() {
 }
 ORIGINAL_ARGS=("$@")
 
+# The device plugin's unit runs this virtualenv's gpunode: removing it first would leave systemd restarting a
+# program that is gone, and the node's runtime configuration and labels in place with no tool to undo them.
+PLUGIN_UNIT="${GPUNODE_SYSTEMD_DIR:-/etc/systemd/system}/gpunode-device-plugin.service"
+
 if [ "$UNINSTALL" -eq 1 ]; then
+    if [ -e "$PLUGIN_UNIT" ] || [ -L "$PLUGIN_UNIT" ]; then
+        die "the gpunode device plugin service is still installed ($PLUGIN_UNIT); removing gpunode now would leave it running a program that is gone" \
+            "undo what gpunode did first: gpunode down --dry-run, then gpunode down (add --toolkit to remove the toolkit too), then ./install.sh --uninstall again"
+    fi
     if [ -L "$LINK_PATH" ] && [ "$(readlink "$LINK_PATH")" = "$PREFIX/bin/gpunode" ]; then
         writable "$BIN_DIR" || require_root_for "$LINK_PATH"
         rm -f "$LINK_PATH"

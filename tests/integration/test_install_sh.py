@@ -13,11 +13,17 @@ REPO = Path(__file__).resolve().parents[2]
 INSTALL = REPO / "install.sh"
 
 
-def run(*args: str, timeout: float = 600, user: int | None = None) -> subprocess.CompletedProcess[str]:
+def run(
+    *args: str, timeout: float = 600, user: int | None = None, systemd_dir: Path | None = None
+) -> subprocess.CompletedProcess[str]:
     argv = ["bash", str(INSTALL), *args]
     if user is not None:
         argv = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *argv]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False, cwd="/")
+    # A private unit directory: the host's own /etc/systemd/system never decides a test's outcome.
+    env = {**os.environ, "GPUNODE_SYSTEMD_DIR": str(systemd_dir or Path("/nonexistent/systemd"))}
+    return subprocess.run(
+        argv, capture_output=True, text=True, timeout=timeout, check=False, cwd="/", env=env
+    )
 
 
 def test_install_reinstall_and_uninstall(tmp_path: Path) -> None:
@@ -40,7 +46,19 @@ def test_install_reinstall_and_uninstall(tmp_path: Path) -> None:
     assert second.returncode == 0, second.stderr
     assert "reusing the virtualenv" in second.stdout
 
-    gone = run("--uninstall", "--prefix", str(prefix), "--bin-dir", str(bindir))
+    units = tmp_path / "systemd"
+    units.mkdir()
+    (units / "gpunode-device-plugin.service").write_text(
+        f"[Service]\nExecStart={prefix}/bin/gpunode plugin run\n"
+    )
+    refused = run("--uninstall", "--prefix", str(prefix), "--bin-dir", str(bindir), systemd_dir=units)
+    assert refused.returncode == 1
+    assert "the gpunode device plugin service is still installed" in refused.stderr
+    assert "fix: undo what gpunode did first: gpunode down --dry-run, then gpunode down" in refused.stderr
+    assert link.is_symlink() and prefix.exists()
+
+    (units / "gpunode-device-plugin.service").unlink()
+    gone = run("--uninstall", "--prefix", str(prefix), "--bin-dir", str(bindir), systemd_dir=units)
     assert gone.returncode == 0, gone.stderr
     assert not link.exists() and not link.is_symlink() and not prefix.exists()
 
