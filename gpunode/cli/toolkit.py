@@ -32,11 +32,13 @@ def install(
         help="Pin all four packages to this version (default: the newest; an installed one is kept).",
         show_default=False,
     ),
-    repo_url: str = typer.Option(
-        DEFAULT_REPO_URL,
+    repo_url: Optional[str] = typer.Option(  # noqa: UP045
+        None,
         "--repo-url",
         metavar="URL",
-        help="The repositories' base URL: a mirror for air-gapped nodes.",
+        help=f"The repositories' base URL: a mirror for air-gapped nodes (default: the one the last install "
+        f"used, else {DEFAULT_REPO_URL}).",
+        show_default=False,
     ),
     key_file: Optional[str] = typer.Option(  # noqa: UP045
         None,
@@ -148,6 +150,8 @@ def _print_plan(plan: ToolkitPlan, *, dry_run: bool) -> None:
     from gpunode.toolkit.keys import NVIDIA_FINGERPRINTS
 
     have = toolkit.consistent_version(plan.installed)
+    for warning in plan.warnings:
+        typer.echo(f"warning: {warning}", err=True)
     if plan.changes_nothing:
         if have is None:
             typer.echo(
@@ -163,6 +167,8 @@ def _print_plan(plan: ToolkitPlan, *, dry_run: bool) -> None:
             typer.echo(f"note: {note}")
         return
     typer.echo(f"{plan.distribution.pretty or plan.distribution.id}: packages through {plan.manager.name}")
+    for problem in plan.drift:
+        typer.echo(f"repair: {problem}")
     if plan.key is not None:
         whose = "NVIDIA's" if all(f in NVIDIA_FINGERPRINTS for f in plan.key.fingerprints) else "as given"
         typer.echo(f"signing key {', '.join(plan.key.fingerprints)} ({whose}) from {plan.key.source}")
@@ -224,3 +230,9 @@ def _print_status(current: ToolkitStatus) -> None:
         typer.echo(f"signing key: {', '.join(current.key_fingerprints)} ({whose})")
     if current.repo_url:
         typer.echo(f"repository: {current.repo_url}")
+    for problem in current.drift:
+        typer.echo(f"DRIFT: {problem}")
+    if current.drift:
+        typer.echo(
+            "fix: `sudo gpunode toolkit install` writes the repository files again as gpunode writes them"
+        )

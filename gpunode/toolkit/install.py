@@ -10,12 +10,14 @@ failed step rolls back the files written before it.
 from __future__ import annotations
 
 import json
+import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 from gpunode.distribution import Distribution, read_distribution, require_family
-from gpunode.errors import CommandFailed, ConfigError, GpunodeError, PermissionDenied
+from gpunode.errors import CommandFailed, ConfigError, GpunodeError, PermissionDenied, UsageError
 from gpunode.host import CommandResult, Host
 from gpunode.runtimes.records import STATE_DIR, backup_path, sha256
 from gpunode.toolkit import keys, managers
@@ -29,7 +31,8 @@ FAILURE_TAIL = 15  # lines of a failed command's output in the error
 @dataclass(frozen=True)
 class InstallOptions:
     version: str | None = None  # as the operator typed it: "1.17.8" or "1.17.8-1"
-    repo_url: str = managers.DEFAULT_REPO_URL
+    # None: the repository the last install recorded, else NVIDIA's (a mirror set up once is kept).
+    repo_url: str | None = None
     key_file: str | None = None
     key_fingerprint: str | None = None
     experimental: bool = False
@@ -39,10 +42,14 @@ class InstallOptions:
 class PlannedFile:
     file: RepoFile
     before: bytes | None  # None: the file does not exist
+    before_mode: int | None = None  # its permission bits
 
     @property
     def changed(self) -> bool:
-        return self.before != self.file.content
+        wrong_mode = (
+            self.file.own_mode and self.before_mode is not None and self.before_mode != self.file.mode
+        )
+        return self.before != self.file.content or wrong_mode
 
 
 @dataclass(frozen=True)
@@ -58,6 +65,8 @@ class ToolkitPlan:
     notes: tuple[str, ...] = ()
     key: keys.PublicKey | None = None
     repo_url: str = managers.DEFAULT_REPO_URL
+    warnings: tuple[str, ...] = ()
+    drift: tuple[str, ...] = ()  # what install repairs in the repository files (see `drift`)
 
     @property
     def changes_nothing(self) -> bool:
@@ -116,12 +125,13 @@ def plan_install(
     fetch: Callable[[str], bytes] = keys.fetch_key,
 ) -> ToolkitPlan:
     wanted = managers.package_version(opts.version) if opts.version else None
-    expected = (keys.normalize_fingerprint(opts.key_fingerprint),) if opts.key_fingerprint else None
-    repo_url = _repo_url(opts.repo_url)
+    record = read_record(host)
+    recorded_url = record.get("repo_url") if isinstance(record.get("repo_url"), str) else None
+    repo_url, warnings = check_repo_url(opts.repo_url or recorded_url or managers.DEFAULT_REPO_URL)
+    expected = _trusted_fingerprints(opts, record, repo_url)
     dist, manager = detect(host)
     installed = manager.installed(host)
-    if satisfied(installed, wanted):
-        return ToolkitPlan(dist, manager, installed, wanted, repo_url=repo_url)
+    # Before anything else, and also when the packages are there: such a source breaks every apt run.
     conflicts = manager.conflicting_sources(host, repo_url)
     if conflicts:
         raise ConfigError(
@@ -130,33 +140,139 @@ def plan_install(
             f"remove {' and '.join(conflicts)} (gpunode writes its own {managers.APT_LIST}), "
             "then run this again",
         )
+    # What was done to the repository files since they were written: installed packages are no reason to
+    # leave a source that skips the signature check in place.
+    found = drift(host, manager, repo_url if opts.repo_url or recorded_url else None, expected)
+    if satisfied(installed, wanted) and not found:
+        return ToolkitPlan(dist, manager, installed, wanted, repo_url=repo_url, warnings=warnings)
     source = opts.key_file or f"{repo_url}/gpgkey"
     data = keys.read_key_file(opts.key_file) if opts.key_file else fetch(source)
     key = keys.parse_key(data, source)
-    keys.check_trusted(key, expected or keys.NVIDIA_FINGERPRINTS, custom=expected is not None)
+    keys.check_trusted(key, expected, custom=expected != keys.NVIDIA_FINGERPRINTS)
     files = tuple(
-        PlannedFile(f, host.read_bytes(f.path)) for f in manager.repo_files(repo_url, key, opts.experimental)
+        PlannedFile(f, host.read_bytes(f.path), _mode(host, f.path))
+        for f in manager.repo_files(repo_url, key, opts.experimental)
     )
     notes = []
     have = {p: v for p, v in installed.items() if v}
     if have:
         notes.append("installed now: " + ", ".join(f"{p} {v}" for p, v in have.items()))
-    if wanted is None:
-        notes.append("no --version given: the newest version in the repository is installed")
-    commands = (manager.refresh(opts.experimental), manager.install(wanted, installed))
+    commands: tuple[Command, ...] = ()
+    if satisfied(installed, wanted):
+        notes.append("the packages are installed as wanted: only the repository files are repaired")
+    else:
+        if wanted is None:
+            notes.append("no --version given: the newest version in the repository is installed")
+        commands = (manager.refresh(opts.experimental), manager.install(wanted, installed))
     return ToolkitPlan(
-        dist, manager, installed, wanted, files, commands, notes=tuple(notes), key=key, repo_url=repo_url
+        dist,
+        manager,
+        installed,
+        wanted,
+        files,
+        commands,
+        notes=tuple(notes),
+        key=key,
+        repo_url=repo_url,
+        warnings=warnings,
+        drift=tuple(found),
     )
 
 
-def _repo_url(url: str) -> str:
-    value = url.strip().rstrip("/")
-    if not value.startswith(("https://", "http://", "file:/")):
-        raise GpunodeError(
-            f"--repo-url {url!r} is not an http(s):// or file:/ URL",
+def _trusted_fingerprints(opts: InstallOptions, record: Mapping[str, Any], repo_url: str) -> tuple[str, ...]:
+    """--key-fingerprint; else the fingerprints an earlier install trusted for this same repository (a
+    mirror re-signed with its own key stays trusted); else NVIDIA's."""
+    if opts.key_fingerprint:
+        return (keys.normalize_fingerprint(opts.key_fingerprint),)
+    recorded = record.get("key_fingerprints")
+    if (
+        record.get("repo_url") == repo_url
+        and isinstance(recorded, list)
+        and recorded
+        and all(isinstance(f, str) for f in recorded)
+    ):
+        return tuple(keys.normalize_fingerprint(f) for f in recorded)
+    return keys.NVIDIA_FINGERPRINTS
+
+
+def check_repo_url(url: str) -> tuple[str, tuple[str, ...]]:
+    """The repository base URL as it goes into the package manager's files, and the warnings it earns.
+
+    It is written into a line of a sources list or .repo file: a line break in it would start another
+    line (a `deb [trusted=yes] ...` source that skips every signature check), so whitespace and control
+    characters are refused outright, as are a query or fragment (`#` starts a comment for apt) and a
+    user:password (which would be world-readable there, and shown in messages). http:// is allowed (the
+    signatures protect the packages) but warned about."""
+    bad = next((i for i, c in enumerate(url) if not 0x21 <= ord(c) <= 0x7E), None)
+    if bad is not None:
+        raise UsageError(
+            f"--repo-url {url!r} holds a space, control or non-ASCII character (at position {bad + 1}), "
+            "which would change the repository file gpunode writes",
+            f"give just the repository's base URL, like {managers.DEFAULT_REPO_URL}",
+        )
+    parts = urlsplit(url)
+    try:
+        port_ok = parts.port is None or 0 < parts.port < 65536
+    except ValueError:
+        port_ok = False
+    if parts.scheme not in ("https", "http") or not parts.hostname or not port_ok:
+        raise UsageError(
+            f"--repo-url {url!r} is not an http:// or https:// URL with a host",
             f"give the base of the repository mirror, like {managers.DEFAULT_REPO_URL}",
         )
-    return value
+    if parts.username is not None or parts.password is not None:
+        shown = parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]).geturl()
+        raise UsageError(
+            f"--repo-url {shown} carries a user name or password, which would be written into a "
+            "world-readable repository file",
+            "give the mirror's URL without them and put the credentials in /etc/apt/auth.conf.d/ (apt) "
+            "or the .repo's username= and password= (dnf, zypper)",
+        )
+    if parts.query or parts.fragment or url.endswith(("?", "#")):
+        raise UsageError(
+            f"--repo-url {url!r} has a query or fragment; the package manager appends paths to the base URL",
+            f"give the repository's base URL, like {managers.DEFAULT_REPO_URL}",
+        )
+    value = url.rstrip("/")
+    warnings: tuple[str, ...] = ()
+    if parts.scheme == "http":
+        warnings = (
+            f"--repo-url {value} is plain http://: the signatures still protect the packages, but anyone "
+            "on the way sees what this node installs and can hold back updates; prefer https://",
+        )
+    return value, warnings
+
+
+def _mode(host: Host, path: str) -> int | None:
+    try:
+        return stat.S_IMODE(host.path(path).stat().st_mode)
+    except (OSError, GpunodeError):
+        return None
+
+
+def drift(host: Host, manager: PackageManager, repo_url: str | None, trusted: tuple[str, ...]) -> list[str]:
+    """What weakens the signature check in the repository files gpunode manages, read as the package
+    manager reads them: a source gpunode did not write (any other URL, say a second line planted with
+    `[trusted=yes]`), a source without `signed-by`, checks turned off (`repo_gpgcheck=0`, zypper's
+    `gpgcheck=0`), a key that is missing, unreadable by apt, or not the trusted one. [] when the files are
+    as gpunode writes them, or absent (nothing installed from a repository)."""
+    problems = manager.audit(host, repo_url)
+    repo_file = next(p for p in manager.owned_paths() if p != manager.key_path)
+    if not host.exists(repo_file):
+        return problems
+    key_path = manager.key_path
+    data = host.read_bytes(key_path) if host.is_file(key_path) else None
+    if data is None:
+        return [*problems, f"{key_path} is missing: the repository's signatures cannot be checked"]
+    try:
+        key = keys.parse_key(data, key_path)
+        keys.check_trusted(key, trusted, custom=trusted != keys.NVIDIA_FINGERPRINTS)
+    except GpunodeError as exc:
+        problems.append(exc.message)
+    mode = _mode(host, key_path)
+    if manager.name == "apt" and mode is not None and not mode & 0o004:
+        problems.append(f"{key_path} has mode {mode:o}: apt's _apt user cannot read it, so it checks nothing")
+    return problems
 
 
 def plan_uninstall(host: Host) -> ToolkitPlan:
@@ -232,6 +348,11 @@ def apply_install(host: Host, plan: ToolkitPlan, progress: Progress | None = Non
                     mode=planned.file.mode,
                     backup_to=backup_path(planned.file.path),
                     make_parents=True,
+                    # A key gets 0644 whatever the file it replaces, or a link's target, had: apt's _apt
+                    # user must read it, and a key must not stay writable by someone else.
+                    exact_mode=planned.file.own_mode,
+                    # The file as planned from: one changed meanwhile is not overwritten.
+                    expect=planned.before,
                 )
                 written.append(planned)
                 outcome.written.append(planned.file.path)
@@ -370,6 +491,11 @@ def _save_record(host: Host, plan: ToolkitPlan, installed: Mapping[str, str | No
         "version": consistent_version(installed),
         "files": files,
     }
+    if plan.key is not None:
+        # The key trusted for this repository: status and a later install check the keyring against it.
+        record["key_fingerprints"] = list(plan.key.fingerprints)
+    elif isinstance(earlier_keys := read_record(host).get("key_fingerprints"), list):
+        record["key_fingerprints"] = earlier_keys
     host.make_dirs(STATE_DIR)
     host.write_file(RECORD_PATH, json.dumps(record, indent=2, sort_keys=True) + "\n", mode=0o644)
 
@@ -387,10 +513,11 @@ class ToolkitStatus:
     key_fingerprints: tuple[str, ...]
     key_trusted: bool | None  # None: no key file
     repo_url: str | None
+    drift: tuple[str, ...] = ()  # what weakens the signature check in the repository files
 
     @property
     def healthy(self) -> bool:
-        return self.version is not None
+        return self.version is not None and not self.drift
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -402,6 +529,7 @@ class ToolkitStatus:
             "key_fingerprints": list(self.key_fingerprints),
             "key_is_nvidias": self.key_trusted,
             "repo_url": self.repo_url,
+            "drift": list(self.drift),
             "healthy": self.healthy,
         }
 
@@ -422,6 +550,18 @@ def status(host: Host) -> ToolkitStatus:
         except GpunodeError:
             trusted = False
     repo = record.get("repo_url")
+    recorded = record.get("key_fingerprints")
+    trusted_set = (
+        tuple(str(f) for f in recorded)
+        if isinstance(recorded, list) and recorded
+        else keys.NVIDIA_FINGERPRINTS
+    )
+    found = drift(host, manager, repo if isinstance(repo, str) else None, trusted_set)
+    listed = repo if isinstance(repo, str) else managers.DEFAULT_REPO_URL
+    found.extend(
+        f"{other} lists the repository {listed} too: a second source that gpunode did not write"
+        for other in manager.conflicting_sources(host, listed)
+    )
     return ToolkitStatus(
         distribution=dist.pretty or dist.id,
         manager=manager.name,
@@ -431,6 +571,7 @@ def status(host: Host) -> ToolkitStatus:
         key_fingerprints=fingerprints,
         key_trusted=trusted,
         repo_url=repo if isinstance(repo, str) else None,
+        drift=tuple(found),
     )
 
 

@@ -49,6 +49,9 @@ class RepoFile:
     content: bytes
     mode: int = 0o644
     binary: bool = False  # shown as a summary, not as text, by --dry-run
+    # gpunode's own file (a key): written with exactly `mode` and root's ownership, whatever the file it
+    # replaces (or a link's target) had. apt reads its keyring as the unprivileged _apt user.
+    own_mode: bool = False
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,15 @@ class PackageManager:
         """Other files that already name this repository in a way that breaks the package manager."""
         return []
 
+    key_path = RPM_KEY
+
+    def audit(self, host: Host, repo_url: str | None) -> list[str]:
+        """What in gpunode's repository file (read as the package manager reads it) weakens or bypasses
+        the signature check: a source gpunode did not write, a missing or foreign key, checks turned
+        off. One sentence each, naming the file; [] for a file as gpunode writes it, or no file.
+        `repo_url`: the repository base the file should name (None: the one the file itself names)."""
+        raise NotImplementedError
+
     def owned_paths(self) -> tuple[str, ...]:
         """Every file any install by this engine may write (status and uninstall look at these)."""
         raise NotImplementedError
@@ -138,7 +150,7 @@ class Apt(PackageManager):
         lines.append(experimental_line if experimental else f"# {experimental_line}")
         text = HEADER + "".join(f"{line}\n" for line in lines)
         return [
-            RepoFile(APT_KEYRING, key.packets, 0o644, binary=True),  # apt runs gpgv as _apt: world-readable
+            RepoFile(APT_KEYRING, key.packets, 0o644, binary=True, own_mode=True),
             RepoFile(APT_LIST, text.encode("utf-8")),
         ]
 
@@ -224,6 +236,57 @@ class Apt(PackageManager):
     def owned_paths(self) -> tuple[str, ...]:
         return (APT_KEYRING, APT_LIST)
 
+    key_path = APT_KEYRING
+
+    def audit(self, host: Host, repo_url: str | None) -> list[str]:
+        text = host.read_text_if_exists(APT_LIST)
+        if text is None:
+            return []
+        sources: list[tuple[int, str, dict[str, str], str]] = []
+        problems: list[str] = []
+        for number, line in enumerate(text.splitlines(), 1):
+            content = line.split("#", 1)[0].strip()  # apt ends a line at "#", wherever it is
+            if not content:
+                continue
+            found = _APT_SOURCE.match(content)
+            if found is None:
+                problems.append(f"{APT_LIST} line {number} is not a source line gpunode writes: {content!r}")
+                continue
+            options: dict[str, str] = {}
+            for option in (found["options"] or "").split():
+                key, _, value = option.partition("=")
+                options[key.rstrip("+-").lower()] = value
+            sources.append((number, found["type"], options, found["uri"].rstrip("/")))
+        base = repo_url or next(
+            (m[1] for _, _, _, uri in sources if (m := _APT_REPO_URI.match(uri)) is not None), None
+        )
+        ours = {f"{base}/stable/deb/$(ARCH)", f"{base}/experimental/deb/$(ARCH)"} if base else set()
+        for number, kind, options, uri in sources:
+            where = f"{APT_LIST} line {number}"
+            if kind != "deb" or uri not in ours:
+                problems.append(f"{where} adds a source gpunode did not write: {kind} {uri}")
+            for option in _APT_INSECURE:
+                if options.get(option, "no").lower() not in ("no", "false", "0"):
+                    problems.append(
+                        f"{where}: [{option}={options[option]}] makes apt accept {uri} without a valid "
+                        "signature"
+                    )
+            signed_by = options.get("signed-by")
+            if not signed_by:
+                problems.append(f"{where}: {uri} has no signed-by=, so any key apt trusts may sign it")
+            elif signed_by != APT_KEYRING:
+                problems.append(f"{where}: {uri} is checked with {signed_by}, not {APT_KEYRING}")
+        return problems
+
+
+# A one-line-style source: `deb [options] URI SUITE [COMPONENTS...]` (sources.list(5)).
+_APT_SOURCE = re.compile(
+    r"^(?P<type>deb(?:-src)?|\S+)\s+(?:\[(?P<options>[^\]]*)\]\s*)?(?P<uri>\S+)(?:\s+\S+)*$"
+)
+_APT_REPO_URI = re.compile(r"^(.+)/(?:stable|experimental)/deb/\$\(ARCH\)$")
+# Options that let apt take a repository whose signature is missing, bad or weak.
+_APT_INSECURE = ("trusted", "allow-insecure", "allow-weak", "allow-downgrade-to-insecure")
+
 
 def _deb822(paragraph: str) -> dict[str, str]:
     fields: dict[str, str] = {}
@@ -264,8 +327,54 @@ class _Rpm(PackageManager):
 
     repo_path = YUM_REPO
 
+    def audit(self, host: Host, repo_url: str | None) -> list[str]:
+        text = host.read_text_if_exists(self.repo_path)
+        if text is None:
+            return []
+        sections = _ini_sections(text)
+        base = repo_url
+        if base is None:
+            stable = sections.get(REPO_ID, {}).get("baseurl", [""])[0]
+            base = (
+                stable.removesuffix("/stable/rpm/$basearch")
+                if stable.endswith("/stable/rpm/$basearch")
+                else None
+            )
+        problems: list[str] = []
+        for name, keys in sections.items():
+            where = f"{self.repo_path} [{name}]"
+            expected = {REPO_ID: "stable", EXPERIMENTAL_ID: "experimental"}.get(name)
+            if expected is None:
+                problems.append(f"{self.repo_path} adds a repository gpunode did not write: [{name}]")
+                continue
+            for key in ("mirrorlist", "metalink"):
+                for value in keys.get(key, []):
+                    problems.append(f"{where} adds a source gpunode did not write: {key}={value}")
+            for value in keys.get("baseurl", []):
+                for url in value.replace(",", " ").split():
+                    if base is not None and url.rstrip("/") != f"{base}/{expected}/rpm/$basearch":
+                        problems.append(f"{where} adds a source gpunode did not write: {url}")
+            checks = keys.get("repo_gpgcheck", [])
+            if not checks or not all(_truthy(v) for v in checks):
+                said = f"repo_gpgcheck={checks[-1]}" if checks else "no repo_gpgcheck=1"
+                problems.append(f"{where} does not check the repository's signature ({said})")
+            for value in keys.get("gpgkey", []):
+                for url in value.replace(",", " ").split():
+                    if url != f"file://{RPM_KEY}":
+                        problems.append(
+                            f"{where} takes a signing key from {url}, not the key gpunode checked"
+                        )
+            problems.extend(f"{where} {p}" for p in self._weakened(keys))
+        return problems
+
+    def _weakened(self, keys: Mapping[str, list[str]]) -> list[str]:
+        """Manager-specific settings that turn a check off."""
+        if any(not _truthy(v) for v in keys.get("sslverify", [])):
+            return ["does not verify the mirror's TLS certificate (sslverify=0)"]
+        return []
+
     def _key_file(self, key: PublicKey) -> RepoFile:
-        return RepoFile(RPM_KEY, key.armored.encode("ascii"), 0o644)
+        return RepoFile(RPM_KEY, key.armored.encode("ascii"), 0o644, own_mode=True)
 
 
 class Dnf(_Rpm):
@@ -350,6 +459,12 @@ class Zypper(_Rpm):
         text = HEADER + "\n".join(blocks)
         return [self._key_file(key), RepoFile(ZYPP_REPO, text.encode("utf-8"))]
 
+    def _weakened(self, keys: Mapping[str, list[str]]) -> list[str]:
+        # zypper's gpgcheck is the master switch: off, it checks neither metadata nor packages.
+        if any(not _truthy(v) for v in keys.get("gpgcheck", [])):
+            return ["turns every signature check off (gpgcheck=0)"]
+        return []
+
     # --gpg-auto-import-keys imports the gpgkey the .repo names: the local file gpunode checked.
     _BASE = ("zypper", "--non-interactive", "--gpg-auto-import-keys")
 
@@ -367,6 +482,27 @@ class Zypper(_Rpm):
         return Command(
             "remove the packages", ("zypper", "--non-interactive", "remove", *packages), REMOVE_TIMEOUT
         )
+
+
+def _truthy(value: str) -> bool:
+    return value.strip().lower() in ("1", "yes", "true", "on")
+
+
+def _ini_sections(text: str) -> dict[str, dict[str, list[str]]]:
+    """A .repo file's sections → key → every value it is given (a key set twice is looked at twice)."""
+    sections: dict[str, dict[str, list[str]]] = {}
+    current: dict[str, list[str]] | None = None
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        if line.startswith("[") and line.endswith("]"):
+            current = sections.setdefault(line[1:-1].strip(), {})
+            continue
+        key, sep, value = line.partition("=")
+        if sep and current is not None:
+            current.setdefault(key.strip().lower(), []).append(value.strip())
+    return sections
 
 
 def choose(host: Host, dist: Distribution, family: str) -> PackageManager:
