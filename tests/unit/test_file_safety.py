@@ -7,6 +7,7 @@ restart, and a revert killed (SIGKILL, a real process) at every write, fsync, re
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -495,3 +496,59 @@ def test_revert_killed_at_every_step_is_finished_by_the_next_revert(
     else:
         raise AssertionError(f"revert never completed with {step} patched")
     assert killed >= 1
+
+
+# -- the real root, in a private mount namespace -----------------------------------------------------------
+
+NAMESPACE_CHILD = r"""
+import json, os, subprocess, sys
+
+# Private tmpfs over the directories gpunode writes: nothing reaches the host's /etc/docker or /var/lib.
+for directory in ("/etc/docker", "/var/lib"):
+    os.makedirs(directory, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "tmpfs", directory], check=True)
+os.makedirs("/etc/docker/real")
+with open("/etc/docker/real/daemon.json", "w") as fh:
+    fh.write('{"log-driver":"journald","live-restore":true}')
+os.symlink("real/daemon.json", "/etc/docker/daemon.json")
+os.symlink("/etc/docker/nowhere.json", "/etc/docker/dangling.json")
+
+from gpunode.cli.main import main
+
+result = {}
+result["configure"] = main(["configure-runtime", "docker", "--set-as-default", "--no-restart"])
+result["link_kept"] = os.path.islink("/etc/docker/daemon.json")
+result["target"] = open("/etc/docker/real/daemon.json").read()
+result["backup"] = open("/var/lib/gpunode/backups/etc/docker/real/daemon.json").read()
+LINK = "/etc/docker/daemon.json"
+result["revert"] = main(["configure-runtime", "docker", "--revert", "--no-restart", "--config", LINK])
+result["link_kept_after_revert"] = os.path.islink("/etc/docker/daemon.json")
+result["after_revert"] = open("/etc/docker/real/daemon.json").read()
+DANGLING = "/etc/docker/dangling.json"
+result["dangling"] = main(["configure-runtime", "docker", "--no-restart", "--config", DANGLING])
+result["dangling_kept"] = os.path.islink(DANGLING) and not os.path.exists("/etc/docker/nowhere.json")
+print("RESULT " + json.dumps(result))
+"""
+
+
+def test_links_on_the_real_root_through_the_cli_in_a_private_mount_namespace() -> None:
+    """The CLI on the real root (no --root), where the kernel resolves paths: /etc/docker/daemon.json is a
+    link; configure writes through it, keeps the original under the target's canonical name, revert restores
+    it through the link's name, and a dangling link is refused and left."""
+    unshare = shutil.which("unshare")
+    if unshare is None or os.geteuid() != 0:
+        if os.environ.get("CI"):
+            pytest.fail("this test needs root and unshare (util-linux)")
+        pytest.skip("needs root and unshare")
+    argv = [unshare, "--mount", "--propagation", "private", sys.executable, "-c", NAMESPACE_CHILD]
+    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, check=False, timeout=120)
+    assert done.returncode == 0, done.stderr
+    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
+    result = json.loads(line.removeprefix("RESULT "))
+    assert result["configure"] == ExitCode.OK, done.stderr
+    assert result["link_kept"] and '"default-runtime": "nvidia"' in result["target"]
+    assert result["backup"] == COMPACT_DAEMON_JSON.decode()
+    assert result["revert"] == ExitCode.OK, done.stderr
+    assert result["link_kept_after_revert"] and result["after_revert"] == COMPACT_DAEMON_JSON.decode()
+    assert result["dangling"] == ExitCode.NOT_FOUND and result["dangling_kept"]
+    assert "/etc/docker/dangling.json is a symbolic link to /etc/docker/nowhere.json" in done.stderr
