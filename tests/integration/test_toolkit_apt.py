@@ -323,3 +323,60 @@ def test_overlay_root_leaves_the_host_alone(bed: Bed) -> None:
     assert not os.path.exists(marker)
     assert not os.path.ismount(merged)
     assert not merged.exists()
+
+
+# --- safe on a production node: no planted sources, drift reported and repaired ------------------------
+
+
+def test_a_repo_url_with_a_line_break_plants_no_source(bed: Bed, root: overlayroot.OverlayRoot) -> None:
+    """A line break in --repo-url would end gpunode's deb line and start one that trusts an unsigned
+    repository: refused before anything is fetched or written."""
+    planted = f"{bed.base}/stable/deb/$(ARCH) /\ndeb [trusted=yes] {bed.other_base}"
+    mark = bed.server.mark()
+    result = gpunode(root, *install_args(bed, base=planted))
+    assert result.returncode == ExitCode.USAGE, explain(result)
+    assert "holds a space, control or non-ASCII character" in result.stderr, explain(result)
+    assert_nothing_written(root)
+    assert bed.server.since(mark) == []
+
+
+def test_a_planted_source_is_reported_by_status_and_removed_by_install(
+    bed: Bed, root: overlayroot.OverlayRoot
+) -> None:
+    """A `[trusted=yes]` line added to gpunode's list makes apt take a repository whose signature it
+    cannot check; status reports it (exit 1) and install, with the packages already in place, writes the
+    list again as gpunode writes it, runs no apt-get, and apt checks signatures again."""
+    pin = ("--version", aptrepo.upstream(OLD))
+    first = gpunode(root, *install_args(bed, *pin))
+    assert first.returncode == ExitCode.OK, explain(first)
+    written = root.path(LIST).read_text()
+    planted = f"deb [trusted=yes] {bed.other_base}/stable/deb/$(ARCH) /"
+    root.path(LIST).write_text(written + planted + "\n")
+
+    # What the drift means for real apt: the repository signed by a key nobody trusts is taken.
+    only_ours = ["-o", f"Dir::Etc::SourceList={LIST}", "-o", "Dir::Etc::SourceParts=-"]
+    update = root.run(["apt-get", "update", *only_ours], timeout=TIMEOUT)
+    assert update.returncode == 0, explain(update)
+
+    status = gpunode(root, "status", "--json")
+    assert status.returncode == ExitCode.UNHEALTHY, explain(status)
+    drift = json.loads(status.stdout)["drift"]
+    other = f"{bed.other_base}/stable/deb/$(ARCH)"
+    assert f"{LIST} line 4: [trusted=yes] makes apt accept {other} without a valid signature" in drift
+    assert (
+        f"{LIST} line 4 adds a source gpunode did not write: deb {bed.other_base}/stable/deb/$(ARCH)" in drift
+    )
+
+    before = snapshot(root, DPKG_STATUS)
+    repair = gpunode(root, *install_args(bed, *pin))
+    assert repair.returncode == ExitCode.OK, explain(repair)
+    assert "repair: " in repair.stdout, explain(repair)
+    assert root.path(LIST).read_text() == written
+    assert list_lines(root) == [repo_line(bed.base)]
+    assert snapshot(root, DPKG_STATUS) == before  # no package was touched
+    healthy = gpunode(root, "status", "--json")
+    assert healthy.returncode == ExitCode.OK, explain(healthy)
+    assert json.loads(healthy.stdout)["drift"] == []
+    update = root.run(["apt-get", "update", *only_ours], timeout=TIMEOUT)
+    assert update.returncode == 0, explain(update)
+    assert bed.other_base not in update.stdout, explain(update)
