@@ -21,6 +21,8 @@ from gpunode.errors import GpunodeError, NotFound
 NVIDIA_FINGERPRINTS: tuple[str, ...] = ("C95B321B61E88C1809C4F759DDCAE044F796ECB0",)
 KEY_DOWNLOAD_LIMIT = 1 * 2**20  # NVIDIA's key is ~4 KiB; anything this large is not a key
 FETCH_TIMEOUT = (10.0, 30.0)  # (connect, read) seconds
+# The whole download: a mirror that trickles its answer (each read in time) must not hold the install.
+FETCH_DEADLINE = 60.0
 
 _ARMOR_BEGIN = "-----BEGIN PGP PUBLIC KEY BLOCK-----"
 _ARMOR_END = "-----END PGP PUBLIC KEY BLOCK-----"
@@ -111,23 +113,40 @@ def read_key_file(path: str) -> bytes:
     return data
 
 
-def fetch_key(url: str, timeout: tuple[float, float] = FETCH_TIMEOUT) -> bytes:
-    """Download the key over HTTP(S); TLS is always verified. Each failure is one sentence with a fix."""
+def fetch_key(
+    url: str, timeout: tuple[float, float] = FETCH_TIMEOUT, deadline: float = FETCH_DEADLINE
+) -> bytes:
+    """Download the key over HTTP(S); TLS is always verified. The whole download has a deadline and a
+    size limit (gpunode.kube.transport). Each failure is one sentence with a fix."""
     import requests
+
+    from gpunode.kube import transport
 
     fix = "check the node's network or proxy, point --repo-url at a reachable mirror, or pass --key-file"
     try:
-        with requests.get(url, timeout=timeout, stream=True, allow_redirects=True) as response:
-            if response.status_code != 200:
-                raise SigningKeyError(
-                    f"cannot download the signing key: {url} answered HTTP {response.status_code}", fix
-                )
-            data = b""
-            for chunk in response.iter_content(65536):
-                data += chunk
-                if len(data) > KEY_DOWNLOAD_LIMIT:
-                    raise SigningKeyError(f"{url} sent more than 1 MiB; that is not a signing key", fix)
-            return data
+        with transport.session() as http:
+            # The environment's proxies and CAs apply (trust_env), as for the package manager itself.
+            answer = transport.request(
+                http,
+                "GET",
+                url,
+                connect=timeout[0],
+                read=timeout[1],
+                deadline=deadline,
+                max_bytes=KEY_DOWNLOAD_LIMIT,
+                allow_redirects=True,
+            )
+        if answer.status_code != 200:
+            raise SigningKeyError(
+                f"cannot download the signing key: {url} answered HTTP {answer.status_code}", fix
+            )
+        return answer.body
+    except transport.TooLarge as exc:
+        raise SigningKeyError(f"{url} sent more than 1 MiB; that is not a signing key", fix) from exc
+    except transport.DeadlineExceeded as exc:
+        raise SigningKeyError(
+            f"cannot download the signing key from {url}: no complete answer within {deadline:g} s", fix
+        ) from exc
     except requests.exceptions.SSLError as exc:
         raise SigningKeyError(
             f"cannot download the signing key from {url}: TLS certificate verification failed ({exc})",

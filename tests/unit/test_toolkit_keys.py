@@ -148,3 +148,30 @@ def test_fingerprints_are_normalised(text: str) -> None:
 def test_short_ids_and_garbage_are_not_fingerprints(text: str) -> None:
     with pytest.raises(GpunodeError, match="is not a key fingerprint"):
         keys.normalize_fingerprint(text)
+
+
+# -- downloading the key from a hostile mirror -------------------------------------------------------------
+
+
+def test_a_mirror_that_trickles_the_key_is_given_up_at_the_deadline() -> None:
+    from tests.kubeapi.apiserver import ApiServer
+
+    with ApiServer() as mirror:  # plain HTTP; its hostile answers do not depend on the path
+        mirror.trickle_next(0.25, limit=20.0)  # each byte well within the 2 s read timeout
+        with pytest.raises(keys.SigningKeyError) as raised:
+            keys.fetch_key(f"{mirror.url}/gpgkey", timeout=(1.0, 2.0), deadline=1.0)
+        assert raised.value.message == (
+            f"cannot download the signing key from {mirror.url}/gpgkey: no complete answer within 1 s"
+        )
+        assert mirror.streamed < 200  # given up after about a second of the server's 20
+
+
+@pytest.mark.parametrize("announce", [2**30, None], ids=["declared", "chunked"])
+def test_a_mirror_that_sends_without_end_is_stopped_at_1_mib(announce: int | None) -> None:
+    from tests.kubeapi.apiserver import ApiServer
+
+    with ApiServer() as mirror:
+        mirror.flood_next(announce=announce)
+        with pytest.raises(keys.SigningKeyError, match="sent more than 1 MiB; that is not a signing key"):
+            keys.fetch_key(f"{mirror.url}/gpgkey")
+        assert mirror.streamed < 64 * 2**20
