@@ -26,7 +26,8 @@ Options:
   --bin-dir DIR    where to link the gpunode command (default: $BIN_DIR)
   --no-link        do not create the link (e.g. a development virtualenv)
   --dev            also install the test dependencies: Debian packages (${DEV_DEBIAN_PACKAGES[*]})
-                   and the [dev] extras; gpunode is installed editable from this checkout
+                   and the [dev] extras; gpunode is installed editable from this checkout; other
+                   containerd and dockerd versions are unpacked into .testbed/ (not installed)
   --no-apt         with --dev: do not install Debian packages
   --python PATH    the Python interpreter to use (default: the first of /usr/bin/python3,
                    python3.13 .. python3.10, python3 that is at least $MIN_PYTHON)
@@ -172,6 +173,13 @@ pip_install() {
 if [ "$DEV" -eq 1 ]; then
     say "installing gpunode (editable, with test dependencies) from $SRC_DIR"
     pip_install -e "$SRC_DIR[dev]"
+    if [ "$APT" -eq 1 ]; then
+        # Other daemon versions the tests run (containerd 1.7 / 2.x, dockerd 26 / 28): unpacked from Debian
+        # packages into .testbed/ in the checkout, never installed (tests/testbed.py).
+        say "fetching the test bed's daemons into $SRC_DIR/.testbed"
+        (cd "$SRC_DIR" && "$PREFIX/bin/python" -m tests.testbed fetch) \
+            || die "could not fetch the test bed's Debian packages" "check that deb.debian.org is reachable, then run ./install.sh --dev again"
+    fi
 else
     say "installing gpunode from $SRC_DIR"
     pip_install --upgrade "$SRC_DIR"
