@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import posixpath
 import re
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from gpunode.errors import GpunodeError
 from gpunode.host import Host
 from gpunode.plugin.devices import DeviceHealth, PluginDevice, Resource
+from gpunode.plugin.logsafe import shown, shown_ids
 
 VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
 VOLUME_MOUNT_DIR = "/var/run/nvidia-container-devices"
@@ -72,8 +74,19 @@ def allocate(
     health: Callable[[PluginDevice], DeviceHealth],
     settings: AllocateSettings,
 ) -> list[ContainerAllocation]:
-    """One answer per container, or Refused naming the first bad ID (nothing is half-allocated)."""
+    """One answer per container, or Refused naming the first bad ID (nothing is half-allocated).
+
+    O(number of IDs) whatever the request holds; more IDs than the resource has devices is refused before
+    any is looked at (kubelet never sends that).
+    """
     known = resource.by_id()
+    total = sum(len(ids) for ids in containers)
+    if total > len(known):
+        raise Refused(
+            "INVALID_ARGUMENT",
+            f"Allocate names {total} device IDs, but {resource.name} has only {len(known)} device"
+            f"{'s' if len(known) != 1 else ''}",
+        )
     answers: list[ContainerAllocation] = []
     for ids in containers:
         devices = _check(resource, known, ids, health, settings)
@@ -91,8 +104,9 @@ def _check(
     if not ids:
         raise Refused("INVALID_ARGUMENT", f"Allocate for {resource.name} named no device IDs")
     if len(set(ids)) != len(ids):
-        dupes = sorted({i for i in ids if list(ids).count(i) > 1})
-        raise Refused("INVALID_ARGUMENT", f"device ID {', '.join(dupes)} requested more than once")
+        # One pass (Counter), not a count() per ID: a request may name thousands.
+        dupes = sorted(i for i, n in Counter(ids).items() if n > 1)
+        raise Refused("INVALID_ARGUMENT", f"device ID {shown_ids(dupes)} requested more than once")
     if resource.replicas > 1 and settings.fail_requests_greater_than_one and len(ids) > 1:
         raise Refused(
             "INVALID_ARGUMENT",
@@ -105,7 +119,7 @@ def _check(
         if device is None:
             raise Refused(
                 "INVALID_ARGUMENT",
-                f"unknown device ID {device_id!r} for resource {resource.name} "
+                f"unknown device ID '{shown(device_id)}' for resource {resource.name} "
                 f"({len(known)} device{'s' if len(known) != 1 else ''} served)",
             )
         state = health(device)

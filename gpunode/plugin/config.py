@@ -96,6 +96,22 @@ def _positive_int(value: Any, where: str) -> int:
     return value
 
 
+# Time-slicing replicas per GPU. Each replica is a device in every ListAndWatch message (about 70 bytes),
+# and kubelet takes at most 4 MiB; far beyond any real sharing factor, and the device list is still
+# measured against kubelet's limit at start (lifecycle.check_message_sizes).
+MAX_REPLICAS = 1024
+
+
+def _replicas(value: Any, where: str) -> int:
+    count = _positive_int(value, where)
+    if count > MAX_REPLICAS:
+        raise ConfigError(
+            f"{where}: {count} replicas per GPU is more than {MAX_REPLICAS}",
+            f"use at most {MAX_REPLICAS}: every replica is a device kubelet lists, and its list is limited",
+        )
+    return count
+
+
 def _seconds(value: Any, where: str) -> float:
     if isinstance(value, str):
         text = value.strip().lower().removesuffix("s")
@@ -172,7 +188,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("driver_root", "driver-root", "GPUNODE_DRIVER_ROOT", "--driver-root", _absolute_path),
     Option("socket_dir", "socket-dir", "GPUNODE_SOCKET_DIR", "--socket-dir", _absolute_path),
     Option("cdi_kind", "cdi-kind", "GPUNODE_CDI_KIND", "--cdi-kind", _cdi_kind),
-    Option("replicas", "time-slicing.replicas", "GPUNODE_REPLICAS", "--replicas", _positive_int),
+    Option("replicas", "time-slicing.replicas", "GPUNODE_REPLICAS", "--replicas", _replicas),
     Option("rename_by_default", "time-slicing.rename-by-default", "GPUNODE_RENAME_BY_DEFAULT",
            "--rename-by-default", _bool),
     Option("fail_requests_greater_than_one", "time-slicing.fail-requests-greater-than-one",

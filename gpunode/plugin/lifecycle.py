@@ -10,6 +10,8 @@ kubelet.sock has a new inode.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import queue
@@ -24,14 +26,15 @@ import grpc
 from gpunode.errors import ConfigError, ExitCode, GpunodeError, NvmlError
 from gpunode.host import Host
 from gpunode.nvml.model import Inventory
+from gpunode.paths import PLUGIN_SERVICE as PLUGIN_UNIT
 from gpunode.plugin.allocate import AllocateSettings, DeviceNodes, read_device_nodes
 from gpunode.plugin.api import deviceplugin_pb2 as pb
 from gpunode.plugin.api import deviceplugin_pb2_grpc
 from gpunode.plugin.config import PluginConfig
-from gpunode.plugin.devices import DeviceRegistry, Resource, Sharing, Unit, build_resources
+from gpunode.plugin.devices import DeviceHealth, DeviceRegistry, Resource, Sharing, Unit, build_resources
 from gpunode.plugin.health import HealthMonitor
 from gpunode.plugin.preferred import Topology
-from gpunode.plugin.server import DevicePluginService, ResourceServer, ServeSettings
+from gpunode.plugin.server import DevicePluginService, ResourceServer, ServeSettings, device_message
 from gpunode.plugin.watch import DirectoryWatch, DirEvent
 
 log = logging.getLogger("gpunode.plugin")
@@ -43,6 +46,31 @@ REGISTER_TIMEOUT = 5.0
 RETRY_FIRST = 0.2
 RETRY_MAX = 10.0
 DISCOVERY_RETRY_MAX = 60.0
+# kubelet's gRPC client refuses any message over 4 MiB (Go grpc's default): a longer device list would be
+# served while the plugin says "ready", and kubelet would see nothing but errors.
+KUBELET_MAX_MESSAGE = 4 * 1024 * 1024
+
+
+class SocketDirBusy(GpunodeError):
+    """Another gpunode plugin serves in this socket directory."""
+
+
+def check_message_sizes(resources: tuple[Resource, ...]) -> None:
+    """Refuse device lists kubelet could not receive (ConfigError naming the resource and the fix).
+
+    Measured on the real message, every device Unhealthy (the longest it gets)."""
+    for resource in resources:
+        message = pb.ListAndWatchResponse(
+            devices=[device_message(DeviceHealth(d, False, "size")) for d in resource.devices]
+        )
+        size = message.ByteSize()
+        if size > KUBELET_MAX_MESSAGE:
+            raise ConfigError(
+                f"{resource.name}: the device list of {len(resource.devices)} devices is a "
+                f"{size / 1048576:.1f} MiB ListAndWatch message, over kubelet's 4 MiB limit",
+                "use fewer time-slicing replicas (time-slicing.replicas), or a MIG layout with fewer "
+                "instances",
+            )
 
 
 class ServeFailed(GpunodeError):
@@ -138,6 +166,7 @@ class Plugin:
         self._discovery_timer: threading.Timer | None = None
         self._discovery_delay = 1.0
         self._stopped = threading.Event()
+        self._dir_lock: tuple[int, int] | None = None  # (fd, inode) of the socket directory we hold
 
     # -- called from other threads (signal handlers, timers, the watch) -------------------------
 
@@ -189,7 +218,7 @@ class Plugin:
                         self._kubelet_appeared()
                 try:
                     self._reconcile()
-                except ServeFailed as err:
+                except (ServeFailed, SocketDirBusy) as err:
                     # Fatal at start (above); later, e.g. the directory re-created with other permissions,
                     # keep the plugin alive and try again.
                     log.error("%s; retrying in 1s", err.message)
@@ -236,6 +265,7 @@ class Plugin:
             self._watch.stop()
         if self._health is not None:
             self._health.stop()
+        self._release_dir_lock()
 
     # -- devices --------------------------------------------------------------------------------
 
@@ -260,6 +290,7 @@ class Plugin:
             device_id_strategy=config.device_id_strategy,
             sharing=Sharing(config.replicas, config.rename_by_default),
         )
+        check_message_sizes(resources)
         self._inventory = inventory
         if not any(r.devices for r in resources):
             log.warning("NVML reports no GPUs; waiting for some to appear")
@@ -355,6 +386,8 @@ class Plugin:
         if not os.path.isdir(self.socket_dir):
             self._update_status("the device-plugins directory " + self.config.socket_dir)
             return
+        if wanted:
+            self._lock_socket_dir()
         for name, resource in wanted.items():
             served = self._served.get(name)
             if served is not None and served.server.socket_is_ours():
@@ -386,6 +419,37 @@ class Plugin:
         elif kubelet_inode is None:
             waiting = f"kubelet ({kubelet} does not exist)"
         self._update_status(waiting)
+
+    def _lock_socket_dir(self) -> None:
+        """Hold an exclusive flock on the socket directory itself while serving in it.
+
+        Two plugins on one directory would take turns replacing each other's sockets and registering
+        (each sees its socket gone and serves again): the second one is refused instead. The directory
+        is locked rather than a file in it, because kubelet deletes the directory's files when it
+        restarts; a directory re-created since is locked again.
+        """
+        st = os.stat(self.socket_dir)
+        if self._dir_lock is not None and self._dir_lock[1] == st.st_ino:
+            return
+        self._release_dir_lock()
+        fd = os.open(self.socket_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise SocketDirBusy(
+                f"another gpunode device plugin is serving in {self.config.socket_dir}; refusing to "
+                "start a second one (they would keep replacing each other's sockets)",
+                f"stop the other one (`systemctl status {PLUGIN_UNIT}`, `pgrep -af 'gpunode plugin run'`), "
+                "or give this one another --socket-dir",
+            ) from None
+        self._dir_lock = (fd, os.fstat(fd).st_ino)
+
+    def _release_dir_lock(self) -> None:
+        if self._dir_lock is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._dir_lock[0])  # closing the only descriptor releases the flock
+            self._dir_lock = None
 
     def _serve(self, resource: Resource) -> ResourceServer:
         path = os.path.join(self.socket_dir, resource.socket_name)

@@ -35,7 +35,8 @@ Odd requests never raise (an error fails the pod's admission); the answer is alw
   size: kubelet insists on it, and guessing which to drop would be worse.
 - must_include IDs missing from `available` or unknown to the plugin: kept all the same; known ones
   still pull the rest of the choice towards their GPU.
-- unknown IDs in `available`: usable, but they score 0, so known devices are preferred.
+- unknown IDs in `available`: usable, but only once the known devices are all taken (they score 0, and
+  keeping them out of the search keeps every call O(n) in the IDs named, whatever a caller sends).
 - duplicates anywhere: dropped.
 - size larger than must_include + available: all of them, fewer than size (no IDs can be invented).
 - an unknown placement: `spread`.
@@ -140,9 +141,24 @@ def preferred_allocation(  # noqa: PLR0917  (the gRPC server's interface: placem
         need = size - len(must)
         if need >= len(rest):
             return must + rest
-        chosen = _choose(
-            topology, devices, must, rest, need=need, spread=placement != PACKED, limit=search_limit
-        )
+        # Unknown IDs never enter the search: each would be a unit of its own, and the pair scores are
+        # quadratic in units (thousands of made-up IDs cost seconds and hundreds of MB). They score 0
+        # with everything, so they are only ever the filler after the known devices; unknown
+        # must_include IDs are in the answer anyway and change no comparison between choices.
+        known = [i for i in rest if i in devices]
+        if need >= len(known):
+            filler = [i for i in rest if i not in devices][: need - len(known)]
+            chosen = set(known).union(filler)
+        else:
+            chosen = _choose(
+                topology,
+                devices,
+                [i for i in must if i in devices],
+                known,
+                need=need,
+                spread=placement != PACKED,
+                limit=search_limit,
+            )
         return must + [i for i in rest if i in chosen]
     except Exception:  # an exception would fail the pod's admission; any valid answer is better
         log.exception("preferred allocation failed; answering must_include, then available in order")

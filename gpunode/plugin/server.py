@@ -3,6 +3,16 @@
 Each ListAndWatch stream holds one worker thread for its whole life, and kubelet calls back
 GetDevicePluginOptions while Register is in flight, so the pool is sized for streams + call-backs +
 concurrent Allocates (WORKERS) and never starves.
+
+Nothing a client sends can starve kubelet or make the plugin do unbounded work:
+- at most MAX_STREAMS ListAndWatch streams at once per server (kubelet holds one, two for a moment while
+  it re-registers); a stream beyond that is refused with RESOURCE_EXHAUSTED, so idle watchers can never
+  take the workers kubelet's Allocate needs (WORKERS - MAX_STREAMS are always left for unary calls);
+- requests are at most MAX_REQUEST_BYTES (kubelet's own 4 MiB), and at most MAX_CONCURRENT_RPCS are
+  queued or running; validation and GetPreferredAllocation are O(n) in the IDs named;
+- a call whose caller's deadline passed (or that was cancelled) while it waited for a worker is dropped
+  before any work, and so are the remaining containers of a multi-container call;
+- request content reaches a log line or an error only escaped and bounded (logsafe).
 """
 
 from __future__ import annotations
@@ -12,6 +22,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass
@@ -23,6 +34,7 @@ from gpunode.plugin.allocate import AllocateSettings, Refused, allocate
 from gpunode.plugin.api import deviceplugin_pb2 as pb
 from gpunode.plugin.api import deviceplugin_pb2_grpc
 from gpunode.plugin.devices import DeviceHealth, DeviceRegistry
+from gpunode.plugin.logsafe import shown_ids
 from gpunode.plugin.preferred import Topology, preferred_allocation
 
 log = logging.getLogger("gpunode.plugin")
@@ -30,6 +42,34 @@ log = logging.getLogger("gpunode.plugin")
 pb_grpc: Any = deviceplugin_pb2_grpc
 
 WORKERS = 16
+MAX_STREAMS = 4  # ListAndWatch streams per server; WORKERS - MAX_STREAMS workers stay for unary calls
+MAX_CONCURRENT_RPCS = 256  # running + queued calls; beyond, gRPC answers RESOURCE_EXHAUSTED at once
+MAX_REQUEST_BYTES = 4 * 1024 * 1024  # kubelet's own gRPC message limit; nothing kubelet sends is larger
+REFUSAL_LOG_INTERVAL = 10.0  # seconds between two log lines about refused calls of one kind
+
+
+class _Throttled:
+    """Logs a refusal at most once per interval per kind, with how many were not logged in between: a
+    client hammering the socket must not fill the journal either."""
+
+    def __init__(self, interval: float = REFUSAL_LOG_INTERVAL) -> None:
+        self._interval = interval
+        self._lock = threading.Lock()
+        self._last: dict[str, float] = {}
+        self._quiet: dict[str, int] = {}
+
+    def warning(self, kind: str, message: str, *args: object) -> None:
+        now = time.monotonic()
+        with self._lock:
+            last = self._last.get(kind)
+            if last is not None and now - last < self._interval:
+                self._quiet[kind] = self._quiet.get(kind, 0) + 1
+                return
+            self._last[kind] = now
+            quiet = self._quiet.pop(kind, 0)
+        if quiet:
+            message += f" ({quiet} more like it not logged in the last {self._interval:g}s)"
+        log.warning(message, *args)
 
 
 @dataclass(frozen=True)
@@ -56,6 +96,9 @@ class DevicePluginService(deviceplugin_pb2_grpc.DevicePluginServicer):
         self.registry = registry
         self.current = (topology, settings)  # swapped whole by update(): a call reads one consistent pair
         self.stopping = threading.Event()
+        self._streams = 0
+        self._streams_lock = threading.Lock()
+        self._refusals = _Throttled()
 
     def update(self, topology: Topology, settings: ServeSettings) -> None:
         """New settings after a reload (one reference assignment: calls in flight keep the old pair)."""
@@ -71,13 +114,37 @@ class DevicePluginService(deviceplugin_pb2_grpc.DevicePluginServicer):
     def ListAndWatch(
         self, request: pb.Empty, context: grpc.ServicerContext
     ) -> Iterator[pb.ListAndWatchResponse]:
+        with self._streams_lock:
+            admitted = self._streams < MAX_STREAMS
+            if admitted:
+                self._streams += 1
+        if not admitted:
+            self._refusals.warning(
+                "streams",
+                "%s: refused a ListAndWatch stream: %d are open already (kubelet needs one); another "
+                "client is holding streams on the plugin's socket",
+                self.resource_name,
+                MAX_STREAMS,
+            )
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{MAX_STREAMS} ListAndWatch streams of {self.resource_name} are open already",
+            )
+        try:
+            yield from self._watch(context)
+        finally:
+            with self._streams_lock:
+                self._streams -= 1
+
+    def _watch(self, context: grpc.ServicerContext) -> Iterator[pb.ListAndWatchResponse]:
         ended = threading.Event()
 
         def on_end() -> None:
             ended.set()
             self.registry.wake()
 
-        context.add_callback(on_end)
+        if not context.add_callback(on_end):
+            return  # the call ended before it got here: nobody is listening
         seen = -2
         log.debug("%s: kubelet opened ListAndWatch", self.resource_name)
         while not self.stopping.is_set() and not ended.is_set():
@@ -93,6 +160,25 @@ class DevicePluginService(deviceplugin_pb2_grpc.DevicePluginServicer):
                 break
         log.debug("%s: ListAndWatch stream closed", self.resource_name)
 
+    @property
+    def streams(self) -> int:
+        """ListAndWatch streams open now."""
+        with self._streams_lock:
+            return self._streams
+
+    def _drop_if_expired(self, context: grpc.ServicerContext, call: str) -> None:
+        """Abort a call nobody waits for any more (deadline passed, or cancelled) before doing its work."""
+        remaining = context.time_remaining()
+        if context.is_active() and (remaining is None or remaining > 0):
+            return
+        self._refusals.warning(
+            "expired",
+            "%s: %s dropped: its caller's deadline passed (or it was cancelled) before it was served",
+            self.resource_name,
+            call,
+        )
+        context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"{call}: the caller's deadline has passed")
+
     def GetPreferredAllocation(
         self, request: pb.PreferredAllocationRequest, context: grpc.ServicerContext
     ) -> pb.PreferredAllocationResponse:
@@ -101,6 +187,7 @@ class DevicePluginService(deviceplugin_pb2_grpc.DevicePluginServicer):
         by_id = resource.by_id() if resource is not None else {}
         answers = []
         for req in request.container_requests:
+            self._drop_if_expired(context, "GetPreferredAllocation")
             size = int(req.allocation_size)
             available = list(req.available_deviceIDs)
             must = list(req.must_include_deviceIDs)
@@ -115,6 +202,7 @@ class DevicePluginService(deviceplugin_pb2_grpc.DevicePluginServicer):
         return pb.PreferredAllocationResponse(container_responses=answers)
 
     def Allocate(self, request: pb.AllocateRequest, context: grpc.ServicerContext) -> pb.AllocateResponse:
+        self._drop_if_expired(context, "Allocate")
         resource = self.registry.resource(self.resource_name)
         if resource is None:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.resource_name} is no longer served")
@@ -123,8 +211,18 @@ class DevicePluginService(deviceplugin_pb2_grpc.DevicePluginServicer):
         try:
             answers = allocate(resource, containers, self.registry.health_of, self.current[1].allocate)
         except Refused as refused:
-            log.warning("%s: Allocate %s refused: %s", self.resource_name, containers, refused.message)
+            # Bounded and escaped: the request is the caller's text, of any size (logsafe).
+            self._refusals.warning(
+                "allocate",
+                "%s: Allocate of %d container(s), %d ID(s) (%s) refused: %s",
+                self.resource_name,
+                len(containers),
+                sum(len(c) for c in containers),
+                shown_ids([i for c in containers for i in c]),
+                refused.message,
+            )
             context.abort(getattr(grpc.StatusCode, refused.code), refused.message)
+        # Every ID is a served device here (checked above), so they are known, short and printable.
         log.info("%s: allocated %s", self.resource_name, "; ".join(",".join(c) for c in containers))
         return pb.AllocateResponse(
             container_responses=[
@@ -146,7 +244,7 @@ class DevicePluginService(deviceplugin_pb2_grpc.DevicePluginServicer):
     ) -> pb.PreStartContainerResponse:
         # Nothing to prepare: GPUs need no per-container set-up. kubelet only calls this when the
         # pre-start-required option asks it to (e.g. to observe container starts in the logs).
-        log.info("%s: PreStartContainer for %s", self.resource_name, ",".join(request.devices_ids))
+        log.info("%s: PreStartContainer for %s", self.resource_name, shown_ids(list(request.devices_ids)))
         return pb.PreStartContainerResponse()
 
 
@@ -164,7 +262,11 @@ class ResourceServer:
         _remove_stale_socket(self.socket_path)
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="dp-grpc"),
-            options=[("grpc.so_reuseport", 0)],
+            options=[
+                ("grpc.so_reuseport", 0),
+                ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
+            ],
+            maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
         )
         pb_grpc.add_DevicePluginServicer_to_server(self.service, server)
         if server.add_insecure_port(f"unix://{self.socket_path}") == 0:

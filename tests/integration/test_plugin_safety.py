@@ -8,6 +8,7 @@ it waits for; nothing here measures time.
 from __future__ import annotations
 
 import json
+import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -85,3 +86,151 @@ def test_refused_event_registration_is_reported_unmonitored_and_stays_schedulabl
         assert "2 unmonitored" in status["summary"]
         assert kubelet.allocatable(GPU) == 2
         assert "is not monitored" in plugin.log() and "unhealthy" not in plugin.log()
+
+
+# -- idle or abusive clients on the socket -------------------------------------------------------------
+
+
+class Watcher:
+    """A ListAndWatch stream of our own on the plugin's socket, opened and then left idle."""
+
+    def __init__(self, channel: Any) -> None:
+        from gpunode.plugin.api import deviceplugin_pb2 as pb
+        from gpunode.plugin.api import deviceplugin_pb2_grpc as pb_grpc
+
+        self.call = pb_grpc.DevicePluginStub(channel).ListAndWatch(pb.Empty())
+        self.first: Any = None
+        self.error: Any = None
+
+    def settle(self) -> None:
+        """Block until the plugin answered the stream: its first device list, or a refusal."""
+        import grpc
+
+        try:
+            self.first = next(self.call)
+        except grpc.RpcError as err:
+            self.error = err
+
+
+def test_idle_streams_cannot_starve_kubelets_allocate(kubelet: FakeKubelet, socket_dir: Path) -> None:
+    import grpc
+
+    from gpunode.plugin.server import MAX_STREAMS
+
+    with PluginProcess(socket_dir, profile="pcie-4") as plugin:
+        kubelet.wait_registered(GPU, timeout=DEADLINE)
+        devices = kubelet.wait_for_devices(GPU, lambda d: healthy(d, 4), timeout=DEADLINE)
+        # 15 more streams: with kubelet's one, that was every one of the 16 workers.
+        with grpc.insecure_channel(f"unix://{socket_dir / SOCKET}") as channel:
+            watchers = [Watcher(channel) for _ in range(15)]
+            for w in watchers:
+                w.settle()
+            # kubelet still gets its answers (a generous deadline: only a starved server reaches it).
+            answer = kubelet.allocate(GPU, [[devices[0].id]], timeout=DEADLINE)
+            assert answer.container_responses[0].envs["NVIDIA_VISIBLE_DEVICES"] == devices[0].id
+            assert kubelet.options(GPU, timeout=DEADLINE).get_preferred_allocation_available
+            admitted = [w for w in watchers if w.first is not None]
+            refused = [w for w in watchers if w.error is not None]
+            assert len(admitted) == MAX_STREAMS - 1  # kubelet holds one
+            assert len(refused) == 15 - len(admitted)
+            assert {w.error.code() for w in refused} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+            for w in admitted:
+                w.call.cancel()
+        # The refusals are logged in one line, not fifteen.
+        assert plugin.log().count("refused a ListAndWatch stream") == 1
+        # A stream slot is free again once a watcher leaves: kubelet re-registering gets its stream.
+        plugin.signal(signal.SIGHUP)
+        kubelet.wait_registered(GPU, count=2, timeout=DEADLINE)
+        kubelet.wait_for_devices(GPU, lambda d: healthy(d, 4), timeout=DEADLINE)
+
+
+def test_request_content_never_forges_or_floods_a_log_line(kubelet: FakeKubelet, socket_dir: Path) -> None:
+    import grpc
+
+    with PluginProcess(socket_dir, ["--pre-start-required"], profile="pcie-4") as plugin:
+        kubelet.wait_registered(GPU, timeout=DEADLINE)
+        kubelet.wait_for_devices(GPU, lambda d: healthy(d, 4), timeout=DEADLINE)
+        forged = "GPU-0\n2026-01-01 00:00:00,000 INFO nvidia.com/gpu: allocated GPU-everything"
+        with pytest.raises(grpc.RpcError) as err:
+            kubelet.allocate(GPU, [[forged]], timeout=DEADLINE)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        huge = "GPU-" + "9" * 1_000_000
+        with pytest.raises(grpc.RpcError) as err:
+            kubelet.allocate(GPU, [[huge]], timeout=DEADLINE)
+        assert len(err.value.details() or "") < 300
+        kubelet.pre_start_container(GPU, [forged], timeout=DEADLINE)
+        plugin.wait_for_log("PreStartContainer for", timeout=DEADLINE)
+        lines = plugin.log().splitlines()
+        assert not [line for line in lines if "allocated GPU-everything" in line and "\\n" not in line]
+        assert any("GPU-0\\n2026-01-01" in line and "PreStartContainer" in line for line in lines)
+        assert max(len(line) for line in lines) < 2000
+
+
+# -- one plugin per socket directory, and what it writes ------------------------------------------------
+
+
+def test_a_second_plugin_on_the_same_socket_directory_is_refused(
+    kubelet: FakeKubelet, socket_dir: Path
+) -> None:
+    with PluginProcess(socket_dir, profile="pcie-4") as first:
+        kubelet.wait_registered(GPU, timeout=DEADLINE)
+        kubelet.wait_for_devices(GPU, lambda d: healthy(d, 4), timeout=DEADLINE)
+        inode = (socket_dir / SOCKET).stat().st_ino
+        second = PluginProcess(socket_dir, profile="pcie-4").start()
+        try:
+            assert second.wait(DEADLINE) != 0
+        finally:
+            log = second.log()
+            second.__exit__(None, None, None)
+        assert "another gpunode device plugin is serving in" in log
+        # The first one never noticed: same socket, one registration, still listing every GPU.
+        assert (socket_dir / SOCKET).stat().st_ino == inode
+        assert len(kubelet.registrations(GPU)) == 1
+        assert kubelet.allocatable(GPU) == 4
+        assert "serving again" not in first.log()
+
+
+def test_a_status_file_that_cannot_be_written_is_a_warning(kubelet: FakeKubelet, socket_dir: Path) -> None:
+    blocker = socket_dir.parent / "not-a-directory"
+    blocker.write_text("a file where the status file's directory should be\n")
+    env = {"GPUNODE_PLUGIN_STATUS_FILE": str(blocker / "status.json")}
+    with PluginProcess(socket_dir, profile="pcie-4", env=env) as plugin:
+        kubelet.wait_registered(GPU, timeout=DEADLINE)
+        kubelet.wait_for_devices(GPU, lambda d: healthy(d, 4), timeout=DEADLINE)
+        plugin.wait_for_log("ready:", timeout=DEADLINE)
+        assert plugin.proc is not None and plugin.proc.poll() is None
+        assert plugin.log().count("cannot write the status file") == 1  # said once, not per update
+
+
+def test_the_ready_line_is_logged_once(kubelet: FakeKubelet, socket_dir: Path) -> None:
+    control = socket_dir.parent / "nvml-control"
+    control.write_text("")
+    from tests import fakenvml
+
+    args = ["--mig-strategy", "mixed", "--recovery-quiet-period", "0"]
+    with PluginProcess(socket_dir, args, profile="mig", control=control) as plugin:
+        for resource in ("nvidia.com/gpu", "nvidia.com/mig-1g.5gb", "nvidia.com/mig-2g.10gb"):
+            kubelet.wait_registered(resource, timeout=DEADLINE)
+        plugin.wait_for_log("ready:", timeout=DEADLINE)
+        plugin.wait_for_log("health monitor armed", timeout=DEADLINE)
+        fakenvml.inject(control, "xid 1 79")  # a status update while ready
+        wait_status(plugin, lambda s: any(r["healthy"] < r["devices"] for r in s["resources"]))
+        assert plugin.log().count(" ready: ") == 1
+
+
+def test_a_device_list_over_kubelets_limit_is_refused_at_start(socket_dir: Path) -> None:
+    # 32 GPUs in MIG mode with 3 instances each, 1,024 replicas: 98,304 devices, about 7 MB of list.
+    mig = "".join(
+        f"[mig]\nname = NVIDIA A100-SXM4-40GB MIG 1g.5gb\ngpu_instance_id = {gi}\nslice_count = 1\n"
+        for gi in (7, 8, 9)
+    )
+    gpu = "[gpu]\nname = NVIDIA A100-SXM4-40GB\nmig_capable = 1\nmig_mode = 1\n" + mig
+    config = socket_dir.parent / "machine.ini"
+    config.write_text(gpu * 32)
+    socket_dir.mkdir(parents=True)
+    args = ["--mig-strategy", "single", "--replicas", "1024"]
+    with PluginProcess(socket_dir, args, nvml_config=config, profile=None) as plugin:
+        assert plugin.wait(DEADLINE) == 4
+        assert "over kubelet's 4 MiB limit" in plugin.log()
+        assert "ready" not in plugin.log()
+        assert not (socket_dir / SOCKET).exists()

@@ -158,8 +158,17 @@ class Reference:
         return len(units), -squares, score
 
     def best(self, available: Sequence[str], must: Sequence[str], size: int, placement: str) -> Key:
-        """The best key over every choice of size - len(must) devices from the rest of `available`."""
-        rest = [self.unit(i) for i in available if i not in must]
+        """The best key over every choice of size - len(must) devices from the rest of `available`.
+
+        Unknown IDs are only filler: they are chosen (first ones first) only when the known devices are
+        not enough, so they never compete with known ones for the spread."""
+        others = [i for i in available if i not in must]
+        known = [i for i in others if i in self.devices]
+        need = size - len(must)
+        if need >= len(known):
+            filler = [i for i in others if i not in self.devices][: need - len(known)]
+            return self.key([*must, *known, *filler], placement, must)
+        rest = [self.unit(i) for i in known]
         must_units = [self.unit(i) for i in must]
         number = {u: n for n, u in enumerate(dict.fromkeys(rest))}
         seen: set[tuple[int, ...]] = set()
