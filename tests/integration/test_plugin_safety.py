@@ -96,8 +96,9 @@ class Watcher:
 
     def __init__(self, channel: Any) -> None:
         from gpunode.plugin.api import deviceplugin_pb2 as pb
-        from gpunode.plugin.api import deviceplugin_pb2_grpc as pb_grpc
+        from gpunode.plugin.api import deviceplugin_pb2_grpc
 
+        pb_grpc: Any = deviceplugin_pb2_grpc  # generated, untyped
         self.call = pb_grpc.DevicePluginStub(channel).ListAndWatch(pb.Empty())
         self.first: Any = None
         self.error: Any = None
