@@ -3,9 +3,11 @@
 requests' `timeout=(connect, read)` bounds each socket operation, not the request: a server that sends one
 byte every few seconds never trips a read timeout and keeps the client waiting for ever, and a server that
 sends a gigabyte fills the client's memory. Here every request gets a watchdog timer that shuts the
-connection's socket down when the deadline passes — that ends a read blocked anywhere, in the TLS
-handshake, the headers or the body — and the body is read in chunks, counted against a size limit (the
-declared Content-Length is refused at once when it is already over).
+connection's socket down when the deadline passes — that ends a read blocked in the headers or the body —
+and the body is read in chunks, counted against a size limit (the declared Content-Length is refused at
+once when it is already over). Connecting, TLS handshake included (Python's ssl applies a socket's
+timeout to the whole handshake), is bounded by the connect timeout, which is never longer than the
+deadline; only a name lookup that hangs is out of reach (getaddrinfo cannot be interrupted).
 
 Imported only by the modules that send requests (requests is a heavy import; gpunode's start-up does not
 pay for it). The watchdog finds the connection a request uses through connection pools that report each
@@ -115,21 +117,23 @@ _current: contextvars.ContextVar[_Watchdog | None] = contextvars.ContextVar(
 )
 
 
+def _track(connection: Any) -> None:
+    watchdog = _current.get()
+    if watchdog is not None:
+        watchdog.track(connection)
+
+
 class _TrackedHTTPPool(HTTPConnectionPool):
     def _get_conn(self, timeout: float | None = None) -> Any:
         connection = super()._get_conn(timeout)
-        watchdog = _current.get()
-        if watchdog is not None:
-            watchdog.track(connection)
+        _track(connection)  # a kept-alive connection is reused without a new socket
         return connection
 
 
 class _TrackedHTTPSPool(HTTPSConnectionPool):
     def _get_conn(self, timeout: float | None = None) -> Any:
         connection = super()._get_conn(timeout)
-        watchdog = _current.get()
-        if watchdog is not None:
-            watchdog.track(connection)
+        _track(connection)
         return connection
 
 

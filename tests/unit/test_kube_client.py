@@ -26,6 +26,7 @@ from gpunode.kube import Credentials, Pem, json_pointer
 from gpunode.kube.client import KubeClient, RetryPolicy, Timeouts, _proxies
 from tests.kubeapi.apiserver import ApiServer
 from tests.kubeapi.pki import CertPair, Pki
+from tests.kubeapi.relay import SlowRelay
 
 TOKEN = "admin-token-5b1e0c2d-never-shown"  # noqa: S105 (test tokens)
 VIEWER_TOKEN = "viewer-token-88aa-never-shown"  # noqa: S105
@@ -711,3 +712,19 @@ def test_server_subresources_and_resource_versions(api: ApiServer, pki: Pki) -> 
         failed.json()["details"]["causes"][0]["message"]
         == "testing value /metadata/resourceVersion failed: test failed"
     )
+
+
+def test_a_server_slow_from_its_tls_handshake_on_ends_at_the_deadline(api: ApiServer, pki: Pki) -> None:
+    # Each byte arrives well within the 2 s connect and read timeouts; the handshake alone would take
+    # minutes at this pace.
+    with SlowRelay(api.port, interval=0.25, limit=20.0) as relay:
+        slow = Credentials(
+            server=relay.url, source="test", token=TOKEN, verify=Pem(str(pki.ca.cert), path=pki.ca.cert)
+        )
+        with client(slow, timeouts=Timeouts(connect=2.0, read=2.0, total=1.0)) as kube:
+            error = failure(lambda: kube.get_node("n1"))
+        assert error.message == (
+            f"the Kubernetes API at {relay.url}/api/v1/nodes/n1 did not send its whole answer within 1 s"
+        )
+        assert relay.relayed < 20  # a few bytes of the server's handshake, of the 20 s it would take
+    assert api.requests == []
