@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -19,7 +20,7 @@ from importlib import resources
 from pathlib import Path
 
 from gpunode import paths
-from gpunode.errors import CommandFailed, NotFound, PermissionDenied
+from gpunode.errors import CommandFailed, GpunodeError, NotFound, PermissionDenied
 from gpunode.host import Host
 from gpunode.services import journal_tail
 
@@ -97,9 +98,37 @@ _HIDING = {
 }
 
 
+# What may stand in an ExecStart= program path unquoted: anything else (a space, `;`, `%`) is quoted.
+_PLAIN_PATH = re.compile(r"[A-Za-z0-9/._+:,=~@-]+")
+
+
+def exec_path(executable: str) -> str:
+    """The program path as an ExecStart= word that systemd reads back as exactly `executable`.
+
+    systemd.service "Command lines" / systemd.syntax "Quoting", checked against systemd 252's parser
+    (`systemd-analyze verify`, see the tests): the word is unquoted as in a shell-like syntax (double quotes
+    keep spaces; C escapes inside them), then `%` specifiers are expanded, in the program path too, so `%`
+    is written `%%`. `$VAR` is not expanded in the program path (only in arguments), so `$` stays as is.
+    Control characters (a newline would end the setting and start another), `"`, `'` and `\\` are
+    refused by systemd in a program path whatever the quoting ("Executable name contains special
+    characters"): such a path is an error here, before anything is written.
+    """
+    bad = sorted({c for c in executable if c in "\"'\\" or not c.isprintable()})
+    if bad or not executable.startswith("/"):
+        what = "is not an absolute path" if not bad else "contains " + ", ".join(repr(c) for c in bad)
+        raise GpunodeError(
+            f"cannot run gpunode from {executable!r} under systemd: the path {what}, which a unit's "
+            "ExecStart= cannot name",
+            "install gpunode under a plain absolute path (./install.sh puts it in /usr/local), then run "
+            "this again",
+        )
+    escaped = executable.replace("%", "%%")
+    return escaped if _PLAIN_PATH.fullmatch(executable) else f'"{escaped}"'
+
+
 def render_unit(executable: str) -> str:
     template = resources.files("gpunode.templates").joinpath(UNIT).read_text(encoding="utf-8")
-    text = template.replace("@GPUNODE@", executable)
+    text = template.replace("@GPUNODE@", exec_path(executable))
     for option, prefixes in _HIDING.items():
         hidden_under = [p for p in prefixes if executable == p or executable.startswith(p + "/")]
         if hidden_under:

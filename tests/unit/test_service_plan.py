@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from gpunode.cli.main import main
-from gpunode.errors import CommandFailed, ConfigError, ExitCode, PermissionDenied
+from gpunode.errors import CommandFailed, ConfigError, ExitCode, GpunodeError, PermissionDenied
 from gpunode.host import CommandResult, Host
 from gpunode.systemd import service
 
@@ -92,6 +92,62 @@ def test_unit_renders_with_the_real_executable_and_passes_systemd_analyze(tmp_pa
         ["systemd-analyze", "verify", "--man=no", str(unit)], capture_output=True, text=True, check=False
     )
     assert (proc.returncode, proc.stderr) == (0, "")
+
+
+def systemd_verify(unit: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["systemd-analyze", "verify", "--man=no", str(unit)], capture_output=True, text=True, check=False
+    )
+
+
+@pytest.mark.parametrize(
+    "directory",
+    [
+        "with space",  # one word for systemd, not two
+        "pct%h%i%%",  # specifiers are expanded in the program path too: %% is a literal %
+        "dollar$HOME${X}",  # ...variables are not: $ stays as it is
+        "semi;colon",
+    ],
+)
+def test_exec_start_names_exactly_the_installed_program_whatever_its_path(
+    tmp_path: Path, directory: str
+) -> None:
+    """systemd's own parser (systemd-analyze verify) reads the rendered ExecStart= back as the very file:
+    it checks the program exists and is executable, so a path it parsed differently is reported."""
+    program = tmp_path / directory / "gpunode"
+    program.parent.mkdir()
+    program.write_text("#!/bin/sh\nexit 0\n")
+    program.chmod(0o755)
+    unit = tmp_path / UNIT
+    unit.write_text(service.render_unit(str(program)))
+    assert systemd_verify(unit).stderr == ""
+    # The check has teeth: the same directory without the program is reported, by its exact path.
+    program.unlink()
+    assert f"Command {program} is not executable" in systemd_verify(unit).stderr
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/opt/gpu\nnode/bin/gpunode",
+        "/opt/tab\there/gpunode",
+        '/opt/"q"/gpunode',
+        "/opt/b\\s/gpunode",
+        "gpunode",
+    ],
+)
+def test_a_program_path_systemd_cannot_name_is_refused_before_anything_is_written(
+    tmp_path: Path, path: str
+) -> None:
+    with pytest.raises(GpunodeError) as err:
+        service.plan_install(node(tmp_path), config_file=None, start=True, executable=path)
+    assert "which a unit's ExecStart= cannot name" in err.value.message and err.value.fix
+    assert not (tmp_path / "etc/systemd/system" / UNIT).exists()
+
+
+def test_unit_sets_a_descriptor_limit() -> None:
+    text = service.render_unit("/usr/local/bin/gpunode")
+    assert "\nLimitNOFILE=65536\n" in text
 
 
 def test_install_writes_enables_starts_and_a_second_run_changes_nothing(tmp_path: Path) -> None:
