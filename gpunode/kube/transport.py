@@ -60,10 +60,14 @@ class Answer:
     body: bytes
 
     def json(self) -> Any:
-        """The body as JSON (ValueError when it is not)."""
+        """The body as JSON (ValueError when it is not, or nests deeper than Python's recursion limit)."""
         import json
 
-        return json.loads(self.body)
+        try:
+            return json.loads(self.body)
+        except RecursionError:
+            # `[[[[…` a few MiB deep: the decoder recurses once per level. Not a Kubernetes object either.
+            raise ValueError("JSON nested too deeply") from None
 
 
 class _Watchdog:

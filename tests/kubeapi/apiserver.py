@@ -23,7 +23,8 @@
   the next answer one byte every `interval` seconds (its status line and headers, or its body after
   complete headers), until the client hangs up or `limit` seconds have passed; `flood_next()` announces a
   huge body (Content-Length 1 GiB, or chunked without a length) and streams it until the client hangs
-  up or `cap` bytes are sent. `streamed` counts the bytes those sent.
+  up or `cap` bytes are sent; `raw_next(body)` answers with exactly these bytes. `streamed` counts the bytes
+  those sent.
 - `requests` logs each request (method, path, content type, user, status; never a token).
 
 Runs on 127.0.0.1, port 0, in a daemon thread; use it as a context manager.
@@ -81,6 +82,8 @@ class Stream:
 
     kind: str
     interval: float = 2.0
+    body: bytes = b""
+    code: int = 200
     phase: str = "body"
     limit: float = 30.0
     announce: int | None = 2**30
@@ -284,6 +287,11 @@ class ApiServer:
         no length), streamed as fast as the client reads until it hangs up or `cap` bytes are sent."""
         with self._lock:
             self._streams.extend([Stream("flood", announce=announce, cap=cap)] * count)
+
+    def raw_next(self, body: bytes, *, code: int = 200, count: int = 1) -> None:
+        """Answer each of the next `count` requests with `code` and exactly `body` (application/json)."""
+        with self._lock:
+            self._streams.extend([Stream("raw", body=body, code=code)] * count)
 
     def next_stream(self, method: str, raw_path: str, headers: Mapping[str, str]) -> Stream | None:
         """The hostile answer for this request, if one is pending (it is logged as a 200)."""
@@ -642,6 +650,8 @@ def _handler_for(server: ApiServer) -> type[BaseHTTPRequestHandler]:
                 try:
                     if stream.kind == "trickle":
                         self._trickle(stream)
+                    elif stream.kind == "raw":
+                        self._raw(stream)
                     else:
                         self._flood(stream)
                 except OSError:
@@ -682,6 +692,11 @@ def _handler_for(server: ApiServer) -> type[BaseHTTPRequestHandler]:
                     return
                 self._send(data[index : index + 1])
                 server.stopping.wait(stream.interval)
+
+        def _raw(self, stream: Stream) -> None:
+            head = f"HTTP/1.1 {stream.code} {HTTPStatus(stream.code).phrase}\r\n"
+            head += f"Content-Type: application/json\r\nContent-Length: {len(stream.body)}\r\n\r\n"
+            self._send(head.encode() + stream.body)
 
         def _flood(self, stream: Stream) -> None:
             head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"

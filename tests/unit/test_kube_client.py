@@ -484,6 +484,24 @@ def test_a_hostile_answer_to_a_patch_ends_the_same_way(api: ApiServer, pki: Pki)
         assert kube.get_node("n1")["metadata"]["name"] == "n1"  # and the client still works
 
 
+@pytest.mark.parametrize("code", [200, 500])
+def test_json_nested_without_end_is_no_kubernetes_object(api: ApiServer, pki: Pki, code: int) -> None:
+    # A few hundred KiB of "[": the JSON decoder recurses once per level, past Python's limit.
+    api.raw_next(b"[" * 300_000, code=code, count=3)
+    with client(creds(api, pki)) as kube:
+        error = failure(lambda: kube.get_node("n1"))
+    if code == 200:
+        assert error.message == (
+            f"the server at {api.url}/api/v1/nodes/n1 answered 200 with something other than a Kubernetes "
+            "object: is it a Kubernetes API server?"
+        )
+    else:
+        assert error.message == (
+            f"the Kubernetes API at {api.url}/api/v1/nodes/n1 answered 500 Internal Server Error 3 times in "
+            "a row"
+        )
+
+
 # -- secrets, whatever their content ---------------------------------------------------------------------
 
 
