@@ -579,6 +579,17 @@ class Host:
         _fsync_directory(target.parent)
         return True
 
+    def remove_empty_dir(self, host_path: str) -> bool:
+        """Remove an empty directory (durably); False when it is gone already or not empty."""
+        target = self.path(host_path, follow_last=False)
+        try:
+            with _permission("remove directory", host_path):
+                target.rmdir()
+        except OSError:  # gone already, or not empty (ENOTEMPTY): either way it stays as it is
+            return False
+        _fsync_directory(target.parent)
+        return True
+
     def make_dirs(self, host_path: str, *, mode: int = 0o755) -> None:
         try:
             with _permission("create directory", host_path):

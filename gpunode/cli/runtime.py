@@ -103,9 +103,7 @@ def configure_runtime(
             confirm(yes, f"restarting {plan.runtime}", service.disruption(host, plan))
         outcome = configure.apply(host, plan, restart=do_restart)
     hint = ["gpunode"] + ([f"--root {host.root}"] if not host.is_real_root else [])
-    hint += ["configure-runtime", plan.runtime, "--revert"] + (
-        [f"--config {opts.config}"] if opts.config else []
-    )
+    hint += ["configure-runtime", plan.runtime, "--revert"]  # the record is per runtime: no file needed
     _render_outcome(outcome, do_restart, " ".join(hint))
 
 

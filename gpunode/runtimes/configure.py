@@ -6,6 +6,7 @@ changes, then each file atomically; a runtime that does not come back gets the p
 
 from __future__ import annotations
 
+import posixpath
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -79,6 +80,7 @@ def plan_configure(host: Host, runtime: str, opts: ConfigureOptions) -> RuntimeP
     # One file, one name: records, backups and locks key a file by its canonical path, so the same file
     # reached through a link or another spelling keeps its one original.
     plan = replace(plan, changes=tuple(replace(c, path=host.canonical(c.path)) for c in plan.changes))
+    plan = _with_directories(host, plan)
     fmt: Format = JsonFormat() if runtime == "docker" else TomlFormat()
     for change in plan.pending:
         if change.after is not None:
@@ -95,27 +97,55 @@ def plan_configure(host: Host, runtime: str, opts: ConfigureOptions) -> RuntimeP
     return plan
 
 
+def _with_directories(host: Host, plan: RuntimePlan) -> RuntimePlan:
+    """Plan the directories a new file needs, so that the dry run and the run agree: a drop-in's directory
+    (or any directory of a runtime's standard layout) is created with mode 0755, as nvidia-ctk does; a file
+    the operator named with --config in a directory that does not exist is refused here, not half-way."""
+    changes: list[FileChange] = []
+    messages = list(plan.messages)
+    for change in plan.changes:
+        if not change.changed or change.after is None:
+            changes.append(change)
+            continue
+        missing: list[str] = []
+        parent = posixpath.dirname(change.path)
+        while parent != "/" and not host.is_dir(parent):
+            missing.insert(0, parent)
+            parent = posixpath.dirname(parent)
+        if missing and not (change.owned or plan.standard_location):
+            raise NotFound(
+                f"cannot write {change.path}: directory {missing[-1]} does not exist",
+                f"create it (mkdir -p {missing[-1]}) or name a file in an existing directory",
+            )
+        if missing:
+            messages.append(f"will create directory {missing[0]} (mode 0755) for {change.path}")
+        changes.append(replace(change, make_dirs=tuple(missing)))
+    return replace(plan, changes=tuple(changes), messages=tuple(messages))
+
+
 def plan_revert(host: Host, runtime: str, opts: ConfigureOptions) -> RuntimePlan:
-    """Put back every file gpunode changed for `runtime` (or only --config / --drop-in when given)."""
+    """Put back every file gpunode changed for `runtime`.
+
+    The record is per runtime and the revert takes all of it, whatever --config / --drop-in it is given: a
+    revert that restored the main file and left a drop-in (or the reverse) would leave the runtime with
+    half of gpunode's change, and a later glob import could bring a stale drop-in back.
+    """
     loaded = records.load(host)
     known = loaded.for_runtime(runtime)
-    wanted = {host.canonical(p) for p in (opts.config, opts.drop_in) if p}
-    if wanted:
-        known = [r for r in known if r.path in wanted]
-    if not known and runtime in loaded.restart_pending:
-        known = []  # every file is back; only the restart that makes the runtime read them is left
-    elif not known:
+    if not known and runtime not in loaded.restart_pending:
+        other = sorted({r.runtime for r in loaded.files.values()})
         raise NotFound(
-            f"gpunode has no record of changing {runtime}'s configuration"
-            + (f" in {', '.join(sorted(wanted))}" if wanted else "")
-            + ": nothing to revert",
-            f"see {records.RECORDS} for what gpunode changed",
+            f"gpunode has no record of changing {runtime}'s configuration: nothing to revert",
+            f"gpunode changed: {', '.join(other)} (revert that runtime instead)"
+            if other
+            else "to take an nvidia runtime gpunode did not add out of the configuration, use "
+            f"`gpunode configure-runtime {runtime} --remove`",
         )
     changes: list[FileChange] = []
     messages: list[str] = []
     for record in known:
         change, notes = _revert_file(host, record)
-        changes.append(change)
+        changes.append(replace(change, make_dirs=record.made_dirs))
         messages.extend(notes)
     # Files are removed last: a main file must stop importing a drop-in before the drop-in goes.
     changes.sort(key=lambda c: c.after is None and c.before is not None)
@@ -217,7 +247,13 @@ def apply(
             fresh.add(change.path)
             base = records.Records()
         new_records.files[change.path] = base.updated(
-            plan.runtime, change.path, change.before, change.after, change.edits, owned=change.owned
+            plan.runtime,
+            change.path,
+            change.before,
+            change.after,
+            change.edits,
+            owned=change.owned,
+            made_dirs=change.make_dirs,
         )
     pending = plan.pending
     # --restart restarts a runtime gpunode changed and never restarted, even with nothing left to write.
@@ -286,7 +322,12 @@ def _write(host: Host, change: FileChange, plan: RuntimePlan, *, first: bool, ou
     if change.after is None:
         host.remove_file(change.path)
         outcome.removed.append(change.path)
+        if plan.revert:
+            _remove_made_dirs(host, change.make_dirs)
         return
+    if not plan.revert:
+        for directory in change.make_dirs:
+            host.make_dirs(directory, mode=0o755)
     keep_original = first and not plan.revert and change.before is not None
     backup = records.backup_path(change.path) if keep_original else None
     result = host.write_file(
@@ -295,12 +336,20 @@ def _write(host: Host, change: FileChange, plan: RuntimePlan, *, first: bool, ou
         expect=change.before,
         mode=change.mode,
         backup_to=backup,
-        make_parents=plan.standard_location,
+        make_parents=False,  # planned in _with_directories, made just above
         temp_dir=change.temp_dir if change.temp_dir and host.is_dir(change.temp_dir) else None,
     )
     outcome.written.append(change.path)
     if result.backup is not None and backup is not None:
         outcome.backups.append(backup)
+
+
+def _remove_made_dirs(host: Host, directories: tuple[str, ...]) -> None:
+    """Remove the directories gpunode created for a file, innermost first, while they are empty (anything
+    the operator put there since keeps its directory)."""
+    for directory in reversed(directories):
+        if host.listdir(directory) or not host.remove_empty_dir(directory):
+            return
 
 
 def _encoded(text: str | None) -> bytes | None:

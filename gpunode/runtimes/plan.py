@@ -36,6 +36,8 @@ class FileChange:
     owned: bool = False
     # Where the temp file is made: for a drop-in, the parent of its directory, which runtimes do not read.
     temp_dir: str | None = None
+    # Directories to create (mode 0755, outermost first) before the file is written; reverted when empty.
+    make_dirs: tuple[str, ...] = ()
 
     @property
     def changed(self) -> bool:

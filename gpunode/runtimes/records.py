@@ -46,6 +46,7 @@ class FileRecord:
     backup: str | None  # host path of the original's copy (None when there was no original)
     edits: tuple[Edit, ...] = ()
     owned: bool = False  # a file that exists only for gpunode (a drop-in it created)
+    made_dirs: tuple[str, ...] = ()  # directories gpunode created for it, outermost first
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -55,6 +56,7 @@ class FileRecord:
             "backup": self.backup,
             "owned": self.owned,
             "edits": [e.to_json() for e in self.edits],
+            **({"made_dirs": list(self.made_dirs)} if self.made_dirs else {}),
         }
 
     @classmethod
@@ -67,6 +69,7 @@ class FileRecord:
             backup=data.get("backup"),
             edits=tuple(Edit.from_json(e) for e in data.get("edits", [])),
             owned=bool(data.get("owned", False)),
+            made_dirs=tuple(str(d) for d in data.get("made_dirs", [])),
         )
 
 
@@ -89,6 +92,7 @@ class Records:
         edits: Sequence[Edit],
         *,
         owned: bool,
+        made_dirs: Sequence[str] = (),
     ) -> FileRecord:
         """The record after gpunode writes `after` over `before`: the first change keeps the original."""
         old = self.files.get(path)
@@ -101,6 +105,7 @@ class Records:
                 backup=backup_path(path) if before is not None else None,
                 edits=tuple(edits),
                 owned=owned,
+                made_dirs=tuple(made_dirs),
             )
         return replace(old, written_sha256=sha256(after), edits=(*old.edits, *edits))
 
