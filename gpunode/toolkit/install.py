@@ -141,8 +141,10 @@ def plan_install(
             "then run this again",
         )
     # What was done to the repository files since they were written: installed packages are no reason to
-    # leave a source that skips the signature check in place.
-    found = drift(host, manager, repo_url if opts.repo_url or recorded_url else None, expected)
+    # leave a source that skips the signature check in place. Judged against what gpunode recorded (or,
+    # without a record, the repository the file itself names), not against --repo-url: a node set up from
+    # a mirror has not drifted because another URL is asked for now (that alone changes nothing, as ever).
+    found = drift(host, manager, recorded_url, _trusted_fingerprints(opts, record, recorded_url or repo_url))
     if satisfied(installed, wanted) and not found:
         return ToolkitPlan(dist, manager, installed, wanted, repo_url=repo_url, warnings=warnings)
     source = opts.key_file or f"{repo_url}/gpgkey"

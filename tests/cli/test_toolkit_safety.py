@@ -369,3 +369,19 @@ def test_another_list_naming_the_repository_is_drift_that_install_names(
     code, _, err = cli(host, capsys, *install_args(tmp_path))
     assert code == ExitCode.CONFIG and "old-nvidia.list already lists NVIDIA's repository" in err
     assert fake.calls == [] and other.exists()
+
+
+def test_a_node_set_up_from_a_mirror_has_not_drifted_when_another_url_is_asked_for(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    host, fake = make_node(tmp_path, "apt")
+    mirror = "https://mirror.example/nvidia"
+    assert cli(host, capsys, *install_args(tmp_path, "--repo-url", mirror))[0] == ExitCode.OK
+    assert status_json(host, capsys)[1]["drift"] == []
+    # NVIDIA's URL given explicitly (as `gpunode up` does): the packages are there and the files are as
+    # gpunode wrote them, so nothing is fetched, written or run; as before, another URL alone changes nothing.
+    fake.calls.clear()
+    listed = host.path(APT_LIST).read_text()
+    code, out, _ = cli(host, capsys, *install_args(tmp_path, "--repo-url", NVIDIA))
+    assert code == ExitCode.OK and "already installed" in out
+    assert fake.calls == [] and host.path(APT_LIST).read_text() == listed
