@@ -264,6 +264,18 @@ def test_status_shows_service_and_registration(tmp_path: Path, capsys: pytest.Ca
     out = capsys.readouterr().out
     assert "service: active (running), enabled" in out
     assert "nvidia.com/gpu: 3/4 healthy, registered (gpunode-nvidia.com-gpu.sock)" in out
+    assert "unmonitored" not in out
+    # GPUs the plugin cannot watch: listed with why; the plugin is ready all the same (exit 0).
+    gone = {"index": 2, "uuid": "GPU-2", "reason": "NVML refused looking it up (No Permission)"}
+    status.write_text(
+        json.dumps({"pid": os.getpid(), "ready": True, "summary": "x", "resources": [resource],
+                    "unmonitored": [gone]})
+    )  # fmt: skip
+    assert main(["plugin", "status"], host=host) == 0
+    assert (
+        "  unmonitored: GPU 2 (GPU-2): NVML refused looking it up (No Permission)\n"
+        in capsys.readouterr().out
+    )
 
 
 @pytest.mark.parametrize(
