@@ -47,6 +47,12 @@ def configure_runtime(
     in_place: bool = typer.Option(
         False, "--in-place", help="Edit the main file itself (containerd's default; CRI-O: crio.conf)."
     ),
+    effective: bool = typer.Option(
+        False,
+        "--effective",
+        help="Ask the runtime for its effective configuration (CRI-O: `crio config`) to decide what to "
+        "change and to check the result before writing.",
+    ),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the diff of every file; change nothing."),
     restart: Optional[bool] = typer.Option(  # noqa: UP045
         None,
@@ -80,6 +86,7 @@ def configure_runtime(
         config=_absolute(config, host.is_real_root),
         drop_in=_absolute(drop_in, host.is_real_root),
         in_place=in_place,
+        effective=effective,
     )
     chosen, why = configure.choose_runtime(host, runtime)
     if why:

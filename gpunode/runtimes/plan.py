@@ -21,6 +21,9 @@ class ConfigureOptions:
     config: str | None = None  # the main configuration file; None: the runtime's standard place
     drop_in: str | None = None  # containerd: write a drop-in here; CRI-O: the drop-in to write
     in_place: bool = False  # CRI-O: edit crio.conf itself instead of writing a drop-in
+    # Ask the runtime itself for its effective configuration (CRI-O: `crio config`) to decide what to change
+    # and to check the result before anything is written, instead of relying on gpunode's own merge alone.
+    effective: bool = False
 
 
 @dataclass(frozen=True)
