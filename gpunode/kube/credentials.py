@@ -323,6 +323,7 @@ def _parse_yaml(host: Host, path: str) -> Mapping[str, Any]:
     import yaml
 
     text = host.read_text(path)
+    invalid: ConfigError | None = None
     try:
         document = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # noqa: S506
     except yaml.MarkedYAMLError as exc:
@@ -330,11 +331,13 @@ def _parse_yaml(host: Host, path: str) -> Mapping[str, Any]:
         # token.
         mark = exc.problem_mark
         at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
-        raise ConfigError(
-            f"kubeconfig {path} is not valid YAML: {exc.problem or 'syntax error'}{at}"
-        ) from None
+        invalid = ConfigError(f"kubeconfig {path} is not valid YAML: {exc.problem or 'syntax error'}{at}")
     except yaml.YAMLError:
-        raise ConfigError(f"kubeconfig {path} is not valid YAML") from None
+        invalid = ConfigError(f"kubeconfig {path} is not valid YAML")
+    if invalid is not None:
+        # Raised out here: raised in the except clause, the YAML error (and the line it quotes) would stay
+        # attached as __context__, `from None` only hides it from the traceback.
+        raise invalid
     if document is None:
         return {}
     if not isinstance(document, dict):

@@ -324,6 +324,8 @@ def test_invalid_yaml_names_file_and_line_but_never_the_token(root: Root) -> Non
     ) as raised:
         root.resolve()
     assert TOKEN not in str(raised.value)
+    # Not even in the exception it was made from: nothing is chained to it.
+    assert raised.value.__cause__ is None and raised.value.__context__ is None
 
 
 @pytest.mark.parametrize(
