@@ -317,6 +317,12 @@ class _Context:
     def abort(self, code: Any, details: str) -> None:
         raise RuntimeError(f"{code}: {details}")
 
+    def is_active(self) -> bool:
+        return True  # kubelet is waiting
+
+    def time_remaining(self) -> float | None:
+        return None  # no deadline, as kubelet's Allocate
+
 
 def _service(profile: str, replicas: int = 1) -> tuple[Any, list[str]]:
     """An in-process DevicePluginService over the simulated profile, and its device IDs."""

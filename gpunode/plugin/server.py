@@ -46,6 +46,7 @@ MAX_STREAMS = 4  # ListAndWatch streams per server; WORKERS - MAX_STREAMS worker
 MAX_CONCURRENT_RPCS = 256  # running + queued calls; beyond, gRPC answers RESOURCE_EXHAUSTED at once
 MAX_REQUEST_BYTES = 4 * 1024 * 1024  # kubelet's own gRPC message limit; nothing kubelet sends is larger
 REFUSAL_LOG_INTERVAL = 10.0  # seconds between two log lines about refused calls of one kind
+MAX_SEARCHED_CONTAINERS = 8  # containers of one GetPreferredAllocation that get the topology search
 
 
 class _Throttled:
@@ -186,18 +187,25 @@ class DevicePluginService(deviceplugin_pb2_grpc.DevicePluginServicer):
         resource = self.registry.resource(self.resource_name)
         by_id = resource.by_id() if resource is not None else {}
         answers = []
-        for req in request.container_requests:
+        for n, req in enumerate(request.container_requests):
             self._drop_if_expired(context, "GetPreferredAllocation")
             size = int(req.allocation_size)
             available = list(req.available_deviceIDs)
             must = list(req.must_include_deviceIDs)
-            try:
-                chosen = preferred_allocation(
-                    topology, by_id, available, must, size, placement=settings.placement
-                )
-            except Exception:  # an error here fails the pod's admission: answer something, always
-                log.exception("%s: preferred allocation failed; answering a plain choice", self.resource_name)
-                chosen = list(dict.fromkeys(must + available))[: max(size, len(must))]
+            if n >= MAX_SEARCHED_CONTAINERS:
+                # kubelet sends one container per call and reads only the first answer: a request with
+                # thousands gets the plain choice for the rest, not thousands of searches.
+                chosen = _plain_choice(must, available, size)
+            else:
+                try:
+                    chosen = preferred_allocation(
+                        topology, by_id, available, must, size, placement=settings.placement
+                    )
+                except Exception:  # an error here fails the pod's admission: answer something, always
+                    log.exception(
+                        "%s: preferred allocation failed; answering a plain choice", self.resource_name
+                    )
+                    chosen = _plain_choice(must, available, size)
             answers.append(pb.ContainerPreferredAllocationResponse(deviceIDs=chosen))
         return pb.PreferredAllocationResponse(container_responses=answers)
 
@@ -294,6 +302,11 @@ class ResourceServer:
         if remove_socket and self.socket_is_ours():
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.socket_path)
+
+
+def _plain_choice(must: list[str], available: list[str], size: int) -> list[str]:
+    """must_include, then `available` in order, up to size: a valid answer without the search (O(n))."""
+    return list(dict.fromkeys(must + available))[: max(size, len(must))]
 
 
 def _remove_stale_socket(path: str) -> None:

@@ -182,3 +182,41 @@ def test_a_call_whose_deadline_passed_is_dropped_before_its_work(
         getattr(service, call)(request, context)
     assert context.code == grpc.StatusCode.DEADLINE_EXCEEDED
     assert worked == []
+
+
+class Waiting(GoneCaller):
+    """A caller still waiting, without a deadline (as kubelet calls)."""
+
+    def is_active(self) -> bool:
+        return True
+
+    def time_remaining(self) -> Any:
+        return None
+
+
+def test_a_request_of_many_containers_gets_the_search_for_the_first_few_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    gpu = dgx()
+    topology = Topology.from_inventory(simulated_inventory("dgx-a100"))
+    service = DevicePluginService(
+        gpu.name,
+        DeviceRegistry([gpu]),
+        topology,
+        ServeSettings(pre_start_required=False, allocate=AllocateSettings()),
+    )
+    searched: list[int] = []
+
+    def counting(*args: Any, **kwargs: Any) -> list[str]:
+        searched.append(1)
+        return preferred_allocation(*args, **kwargs)
+
+    monkeypatch.setattr(server, "preferred_allocation", counting)
+    ids = [d.id for d in gpu.devices]
+    container = pb.ContainerPreferredAllocationRequest(available_deviceIDs=ids, allocation_size=2)
+    answer = service.GetPreferredAllocation(
+        pb.PreferredAllocationRequest(container_requests=[container] * 5000), Waiting()
+    )
+    assert len(searched) == server.MAX_SEARCHED_CONTAINERS
+    assert len(answer.container_responses) == 5000
+    assert all(len(r.deviceIDs) == 2 and set(r.deviceIDs) <= set(ids) for r in answer.container_responses)
