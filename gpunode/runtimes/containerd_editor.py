@@ -150,6 +150,16 @@ def _target(host: Host, location: ctd.ConfigLocation, messages: list[str]) -> tu
 def _check_version(path: str, version: int, installed: tuple[int, int] | None) -> None:
     if installed is None:
         return
+    if installed[0] >= 2 and version == 1:
+        # containerd 2.x reads plugins.cri keys as unknown ("Ignoring unknown key in TOML ... containerd
+        # runtimes nvidia"): the node would end without an nvidia runtime while gpunode reported success.
+        raise ConfigError(
+            f"{path} is a version 1 configuration (no `version` key, or version = 1), but containerd "
+            f"{installed[0]}.{installed[1]} is installed, which ignores its CRI settings: a runtime added "
+            "there would never be seen",
+            "migrate it first: `containerd config migrate > /tmp/config.toml`, review it, move it to "
+            f"{path}, then run this command again",
+        )
     if installed[0] < 2 and version == 3:
         raise ConfigError(
             f"{path} is a version 3 configuration, but containerd {installed[0]}.{installed[1]} is "
@@ -195,14 +205,48 @@ def _refuse_overriding_imports(
             )
 
 
-def _reference_runtime(runtimes: Mapping[str, Mapping[str, Any]], default: str, name: str) -> dict[str, Any]:
-    """The runtime pods get today (default, else runc, else crun) if it is a runc-type runtime: the nvidia
-    runtime is a copy of it with another binary, so it keeps SystemdCgroup and every other option."""
+RUNC_V1 = "io.containerd.runc.v1"  # the same options as v2 (runcoptions.Options)
+# Runtimes of the legacy v1 shim. containerd reads their options as runctypes.RuncOptions (Runtime,
+# RuntimeRoot, CriuPath, SystemdCgroup), and without an options table from the CRI plugin's own
+# `systemd_cgroup`; an explicit "" is the type older configs wrote for the same thing.
+LEGACY_TYPES = ("io.containerd.runtime.v1.linux", "")
+V1_SHIM_KEYS = ("runtime_engine", "runtime_root")
+
+
+def _reference_runtime(
+    runtimes: Mapping[str, Mapping[str, Any]], default: str, name: str, cri: Mapping[str, Any]
+) -> tuple[dict[str, Any], str | None]:
+    """The runtime pods get today (default, else runc, else crun) if it is a runc-type runtime, and the
+    legacy type it was converted from (None when it needed no conversion): the nvidia runtime is a copy of
+    it with another binary, so it keeps SystemdCgroup and every other option."""
     for candidate in (default, "runc", "crun"):
         entry = runtimes.get(candidate)
-        if candidate != name and entry is not None and entry.get("runtime_type", RUNC_V2) == RUNC_V2:
-            return dict(plain(entry))
-    return {}
+        if candidate == name or entry is None:
+            continue
+        runtime_type = entry.get("runtime_type", RUNC_V2)
+        if runtime_type in (RUNC_V2, RUNC_V1):
+            return dict(plain(entry)), None
+        if runtime_type in LEGACY_TYPES:
+            return _from_legacy_shim(plain(entry), cri), str(runtime_type)
+    return {}, None
+
+
+def _from_legacy_shim(entry: Mapping[str, Any], cri: Mapping[str, Any]) -> dict[str, Any]:
+    """A legacy v1-shim runtime as the runc v2 shim understands it: RuntimeRoot becomes Root, SystemdCgroup
+    comes from its options or from the CRI plugin's `systemd_cgroup`, and the v1-only keys (runtime_engine,
+    runtime_root: containerd refuses them on any other runtime type) are left out."""
+    options = entry.get("options") if isinstance(entry.get("options"), Mapping) else {}
+    assert isinstance(options, Mapping)  # noqa: S101 (narrowed just above)
+    converted: dict[str, Any] = {}
+    root = options.get("RuntimeRoot") or entry.get("runtime_root")
+    if root:
+        converted["Root"] = root
+    if options.get("CriuPath"):
+        converted["CriuPath"] = options["CriuPath"]
+    if options.get("SystemdCgroup") is True or cri.get("systemd_cgroup") is True:
+        converted["SystemdCgroup"] = True
+    kept = {k: v for k, v in entry.items() if k not in ("options", "runtime_type", *V1_SHIM_KEYS)}
+    return {**kept, "options": converted}
 
 
 def _add_nvidia(
@@ -216,13 +260,23 @@ def _add_nvidia(
     runtimes_path = (*cri, "containerd", "runtimes")
     runtimes = ctd.configured_runtimes(merged, version)
     default = ctd.default_runtime_name(merged, version)
-    reference = _reference_runtime(runtimes, default, opts.runtime_name)
+    reference, converted_from = _reference_runtime(
+        runtimes, default, opts.runtime_name, ctd.cri_table(merged, version)
+    )
+    if converted_from is not None:
+        cgroup = "SystemdCgroup = true" if reference["options"].get("SystemdCgroup") else "cgroupfs"
+        messages.append(
+            f'the default runtime uses the legacy v1 shim (runtime_type = "{converted_from}"): the '
+            f'"{opts.runtime_name}" runtime is a runc v2 runtime with its settings converted ({cgroup})'
+        )
     if not ctd.defines_runtimes_table(merged, version):
         # Without a runtimes table containerd has runc built in; a table with only nvidia would lose it.
         editor.set((*runtimes_path, ctd.BUILTIN_DEFAULT_RUNTIME), {"runtime_type": RUNC_V2})
     existing = lookup(editor.doc, (*runtimes_path, opts.runtime_name))
     if existing is ABSENT:
-        entry = {k: v for k, v in reference.items() if k != "options"}
+        # runtime_engine / runtime_root belong to the v1 shim only: containerd 1.x refuses them (non-empty)
+        # on a runc v2 runtime and 2.x does not know them at all.
+        entry = {k: v for k, v in reference.items() if k not in ("options", *V1_SHIM_KEYS)}
         entry["runtime_type"] = RUNC_V2
         options = dict(reference.get("options") or {})
         options["BinaryName"] = opts.runtime_path
@@ -243,6 +297,16 @@ def _add_nvidia(
                 f'added SystemdCgroup = true to "{opts.runtime_name}", as the default runtime has it: '
                 "without it pods are killed on systemd-cgroup nodes"
             )
+    if opts.set_as_default and version < 3 and ctd.cri_table(merged, version).get("systemd_cgroup") is True:
+        # containerd validates this itself: "invalid plugin config: `systemd_cgroup` only works for runtime
+        # io.containerd.runtime.v1.linux" — its CRI plugin would not load at all.
+        raise ConfigError(
+            "the CRI plugin sets systemd_cgroup = true, which containerd accepts only while the default "
+            "runtime is on the legacy v1 shim (io.containerd.runtime.v1.linux); with nvidia (runc v2) as the "
+            "default, containerd's CRI plugin would refuse to load",
+            'move runc to runtime_type = "io.containerd.runc.v2" with [...runtimes.runc.options] '
+            "SystemdCgroup = true, remove systemd_cgroup, then run again — or leave out --set-as-default",
+        )
     if opts.set_as_default:
         containerd_table = ctd.get_table(ctd.cri_table(merged, version), ("containerd",)) or {}
         legacy = containerd_table.get("default_runtime") if version < 3 else None

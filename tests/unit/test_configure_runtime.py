@@ -98,9 +98,12 @@ def test_stock_default_config_gets_a_runc_copy_with_systemd_cgroup(tmp_path: Pat
     assert nvidia["runtime_type"] == "io.containerd.runc.v2"
     assert nvidia["options"] == {**runc["options"], "BinaryName": NVIDIA}
     assert nvidia["options"]["SystemdCgroup"] is True
+    # Every key but the v1 shim's own (runtime_engine, runtime_root: refused on runc v2 by 1.x, unknown to 2.x).
+    v1_only = ("options", "runtime_engine", "runtime_root")
     assert {k: v for k, v in nvidia.items() if k != "options"} == {
-        k: v for k, v in runc.items() if k != "options"
+        k: v for k, v in runc.items() if k not in v1_only
     }
+    assert "runtime_engine" in runc and "runtime_engine" not in nvidia
     text = path.read_text()
     lines_kept(original, text)
     # The new table looks like its neighbour: same header indentation, blank line before the next table.

@@ -47,8 +47,10 @@ class Containerd:
             return ""
 
 
-def ctr(sock: Path, *args: str, namespace: str | None = None, timeout: float = 30.0) -> str:
-    command = ["ctr", "--address", str(sock)]
+def ctr(
+    sock: Path, *args: str, namespace: str | None = None, timeout: float = 30.0, program: str = "ctr"
+) -> str:
+    command = [program, "--address", str(sock)]
     if namespace is not None:
         command += ["--namespace", namespace]
     result = subprocess.run([*command, *args], capture_output=True, text=True, timeout=timeout, check=False)
@@ -65,7 +67,9 @@ def _accepts(path: Path) -> bool:
         return True
 
 
-def start_containerd(config: Path, base: Path, timeout: float = 30.0) -> Containerd:
+def start_containerd(
+    config: Path, base: Path, timeout: float = 30.0, binary: str = "containerd"
+) -> Containerd:
     """Start containerd on config with every path under base; return once its socket accepts connections.
 
     containerd listens only after every plugin has loaded, so an accepting socket means the plugin
@@ -79,7 +83,7 @@ def start_containerd(config: Path, base: Path, timeout: float = 30.0) -> Contain
     log_file = log.open("wb")
     process = subprocess.Popen(
         [
-            "containerd",
+            binary,
             "--config",
             str(config),
             "--root",
@@ -110,10 +114,10 @@ def start_containerd(config: Path, base: Path, timeout: float = 30.0) -> Contain
     return daemon
 
 
-def plugins_status(sock: Path) -> dict[str, str]:
+def plugins_status(sock: Path, program: str = "ctr") -> dict[str, str]:
     """`ctr plugins ls` as {"<type>.<id>": status}: ok, skip or error."""
     statuses: dict[str, str] = {}
-    lines = ctr(sock, "plugins", "ls").splitlines()
+    lines = ctr(sock, "plugins", "ls", program=program).splitlines()
     for line in lines[1:]:
         fields = line.split()
         if len(fields) >= 4:
@@ -121,9 +125,9 @@ def plugins_status(sock: Path) -> dict[str, str]:
     return statuses
 
 
-def plugin_detail(sock: Path, plugin_id: str) -> str:
+def plugin_detail(sock: Path, plugin_id: str, program: str = "ctr") -> str:
     """`ctr plugins ls -d id==ID`: for a plugin in error, the reason containerd gave."""
-    return ctr(sock, "plugins", "ls", "--detailed", f"id=={plugin_id}")
+    return ctr(sock, "plugins", "ls", "--detailed", f"id=={plugin_id}", program=program)
 
 
 def _remove_tasks(sock: Path) -> None:

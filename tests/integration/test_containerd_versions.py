@@ -1,0 +1,239 @@
+"""configure-runtime against the containerd that will read the file: 1.6 (Debian bookworm, installed), 1.7
+(trixie) and 2.x (sid), the last two unpacked into .testbed/ (tests/testbed.py), never installed.
+
+For each version and each input — the file that version's own `containerd config default` writes, the 1.6
+stock file, hand-written ones, a runc on the legacy v1 shim, `runtime_type = ""` — gpunode is told the real
+`containerd --version`, configures the file, and that containerd must then, in `config dump`, show the
+nvidia runtime (runc v2, BinaryName), the default, and SystemdCgroup where the previous default had it in
+any form; and a daemon of that version, with private paths, must start on it with its CRI plugin ok. A
+version 1 file for containerd 2.x, which would ignore it, must be refused without a change.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpunode.cli.main import main
+from gpunode.errors import ExitCode
+from gpunode.host import Host, ScriptedRunner
+from gpunode.runtimes import containerd as ctd
+from tests import testbed
+from tests.integration.cri.daemon import plugins_status, start_containerd, stop_containerd
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "containerd"
+CONFIG = "/etc/containerd/config.toml"
+NVIDIA = "/usr/bin/nvidia-container-runtime"
+
+SYSTEMD_ONLY_V2 = """version = 2
+[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+  runtime_type = "io.containerd.runc.v2"
+  [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+    SystemdCgroup = true
+"""
+# runc on the legacy v1 shim: the cgroup driver comes from the CRI plugin's own systemd_cgroup.
+LEGACY_SHIM_V2 = """version = 2
+[plugins."io.containerd.grpc.v1.cri"]
+  systemd_cgroup = true
+[plugins."io.containerd.grpc.v1.cri".containerd]
+  default_runtime_name = "runc"
+[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+  runtime_type = "io.containerd.runtime.v1.linux"
+"""
+# An explicit empty runtime_type with runc's options, as some generated configs have it.
+EMPTY_TYPE_V2 = """version = 2
+[plugins."io.containerd.grpc.v1.cri".containerd]
+  default_runtime_name = "runc"
+[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+  runtime_type = ""
+  [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+    SystemdCgroup = true
+"""
+V1_FILE = """[plugins.cri.containerd.runtimes.runc]
+  runtime_type = "io.containerd.runc.v2"
+  [plugins.cri.containerd.runtimes.runc.options]
+    SystemdCgroup = true
+"""
+
+
+@dataclass(frozen=True)
+class Containerd:
+    binary: str
+    ctr: str
+    version_output: str
+
+    @property
+    def version(self) -> tuple[int, int]:
+        parsed = ctd.parse_containerd_version(self.version_output)
+        assert parsed is not None
+        return parsed
+
+
+def _containerd(name: str) -> Containerd:
+    if name == "1.6":
+        binary, ctr = shutil.which("containerd"), shutil.which("ctr")
+        if binary is None or ctr is None:
+            if os.environ.get("CI"):
+                pytest.fail("containerd is not installed, and CI must run these checks")
+            pytest.skip("containerd is not installed")
+    else:
+        binary = str(testbed.binary(f"containerd-{name}"))
+        ctr = str(testbed.binary(f"containerd-{name}", "ctr"))
+    out = subprocess.run([binary, "--version"], capture_output=True, text=True, check=True, timeout=30).stdout
+    return Containerd(binary, ctr, out)
+
+
+@pytest.fixture(params=["1.6", "1.7", "2"], ids=["containerd-1.6", "containerd-1.7", "containerd-2"])
+def containerd(request: pytest.FixtureRequest) -> Containerd:
+    return _containerd(request.param)
+
+
+def configure(root: Path, daemon: Containerd, text: str, *args: str) -> int:
+    path = root / CONFIG.lstrip("/")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    runner = ScriptedRunner()
+    runner.answer(["containerd", "--version"], daemon.version_output)
+    return main(
+        ["configure-runtime", "containerd", *args, "--no-restart"], host=Host(root=root, runner=runner)
+    )
+
+
+def dump(daemon: Containerd, config: Path) -> tuple[dict[str, Any], str]:
+    done = subprocess.run(
+        [daemon.binary, "--config", str(config), "config", "dump"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd=config.parent,
+    )
+    assert done.returncode == 0, done.stderr
+    return ctd.parse_toml(done.stdout, f"config dump of {config}"), done.stderr
+
+
+def check_nvidia(daemon: Containerd, config: Path, *, systemd_cgroup: bool) -> None:
+    dumped, warnings = dump(daemon, config)
+    cri = ctd.get_table(dumped, ctd.cri_table_path(3 if daemon.version[0] >= 2 else 2)) or {}
+    containerd_table = cri.get("containerd", {})
+    nvidia = containerd_table.get("runtimes", {}).get("nvidia")
+    assert nvidia is not None, f"containerd {daemon.version} does not see the nvidia runtime:\n{warnings}"
+    assert nvidia["runtime_type"] == "io.containerd.runc.v2"
+    assert nvidia["options"]["BinaryName"] == NVIDIA
+    assert containerd_table["default_runtime_name"] == "nvidia"
+    assert bool(nvidia["options"].get("SystemdCgroup")) is systemd_cgroup
+    assert "nvidia" not in "".join(line for line in warnings.splitlines() if "Ignoring unknown key" in line)
+
+
+@pytest.fixture
+def short_base() -> Iterator[Path]:
+    # containerd's ttrpc socket path must stay under 108 bytes: pytest's tmp_path can be too long.
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="gn-ctd-") as tmp:
+        yield Path(tmp)
+
+
+def start_and_check(daemon: Containerd, config: Path, base: Path) -> None:
+    running = start_containerd(config, base, binary=daemon.binary)
+    try:
+        statuses = plugins_status(running.socket, program=daemon.ctr)
+        cri = next(v for k, v in statuses.items() if k.endswith(".cri"))
+        assert cri == "ok", f"containerd {daemon.version}: CRI plugin {cri}:\n{running.log_text()[-3000:]}"
+    finally:
+        stop_containerd(running)
+
+
+def test_a_legacy_shim_default_keeps_systemd_cgroup_and_is_never_made_unloadable(
+    tmp_path: Path, short_base: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """runc on the v1 shim with the CRI plugin's systemd_cgroup: the nvidia runtime (runc v2) gets
+    SystemdCgroup = true in its own options. Making it the default is refused: containerd 1.x itself
+    refuses systemd_cgroup with a default that is not on the v1 shim, and its CRI plugin would not load."""
+    for name in ("1.6", "1.7"):
+        daemon = _containerd(name)
+        root = tmp_path / name
+        assert configure(root, daemon, LEGACY_SHIM_V2) == ExitCode.OK
+        config = root / CONFIG.lstrip("/")
+        dumped, _ = dump(daemon, config)
+        runtimes = dumped["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]
+        assert runtimes["nvidia"]["options"]["SystemdCgroup"] is True
+        assert runtimes["nvidia"]["runtime_type"] == "io.containerd.runc.v2"
+        start_and_check(daemon, config, short_base / name)
+
+        again = tmp_path / f"{name}-default"
+        capsys.readouterr()
+        assert configure(again, daemon, LEGACY_SHIM_V2, "--set-as-default") == ExitCode.CONFIG
+        assert "systemd_cgroup = true" in capsys.readouterr().err
+        assert (again / CONFIG.lstrip("/")).read_text() == LEGACY_SHIM_V2
+        # The refusal is containerd's own rule: the same file with the default switched by hand fails to load.
+        manual = again / "manual.toml"
+        manual.write_text((root / CONFIG.lstrip("/")).read_text().replace('"runc"', '"nvidia"', 1))
+        running = start_containerd(manual, short_base / f"{name}-manual", binary=daemon.binary)
+        try:
+            statuses = plugins_status(running.socket, program=daemon.ctr)
+            assert next(v for k, v in statuses.items() if k.endswith(".cri")) == "error"
+            assert "systemd_cgroup` only works for runtime" in running.log_text()
+        finally:
+            stop_containerd(running)
+
+
+def _inputs(daemon: Containerd) -> dict[str, tuple[str, bool]]:
+    """name -> (file content, whether the nvidia runtime must end with SystemdCgroup = true)."""
+    own = subprocess.run(
+        [daemon.binary, "config", "default"], capture_output=True, text=True, check=True, timeout=30
+    ).stdout
+    inputs = {
+        "own-default": (own, False),
+        "stock-1.6-default": ((FIXTURES / "default-v2.toml").read_text(), False),
+        "systemd-only": (SYSTEMD_ONLY_V2, True),
+    }
+    if daemon.version[0] < 2:  # containerd 2.x no longer has the v1 shim
+        inputs["empty-runtime-type"] = (EMPTY_TYPE_V2, True)
+    return inputs
+
+
+def test_every_input_is_seen_by_the_containerd_that_reads_it(
+    containerd: Containerd, tmp_path: Path, short_base: Path
+) -> None:
+    for n, (name, (text, systemd_cgroup)) in enumerate(_inputs(containerd).items()):
+        root = tmp_path / name
+        code = configure(root, containerd, text, "--set-as-default")
+        assert code == ExitCode.OK, f"{name}: configure-runtime exited {code}"
+        config = root / CONFIG.lstrip("/")
+        check_nvidia(containerd, config, systemd_cgroup=systemd_cgroup)
+        start_and_check(containerd, config, short_base / str(n))
+
+
+def test_a_version_1_file_is_refused_for_containerd_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    daemon = _containerd("2")
+    # What containerd 2 does with it: the CRI keys are ignored, so nothing gpunode added would be seen.
+    probe = tmp_path / "probe.toml"
+    probe.write_text(V1_FILE)
+    _, warnings = dump(daemon, probe)
+    assert "Ignoring unknown key" in warnings
+    code = configure(tmp_path, daemon, V1_FILE, "--set-as-default")
+    assert code == ExitCode.CONFIG
+    err = capsys.readouterr().err
+    assert "version 1 configuration" in err and "containerd config migrate" in err
+    assert (tmp_path / CONFIG.lstrip("/")).read_text() == V1_FILE
+
+
+def test_a_version_1_file_is_still_configured_for_containerd_1_7(tmp_path: Path, short_base: Path) -> None:
+    daemon = _containerd("1.7")
+    assert configure(tmp_path, daemon, V1_FILE, "--set-as-default") == ExitCode.OK
+    config = tmp_path / CONFIG.lstrip("/")
+    dumped, _ = dump(daemon, config)
+    runtimes = dumped["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]
+    assert runtimes["nvidia"]["options"]["BinaryName"] == NVIDIA
+    assert runtimes["nvidia"]["options"]["SystemdCgroup"] is True
+    start_and_check(daemon, config, short_base)
