@@ -6,25 +6,52 @@ Parsing is pure (text → dict → facts) so that `configure-runtime` can reuse 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from pathlib import PurePosixPath
 from typing import Any
 
-from gpunode.errors import ConfigError
+from gpunode.errors import CommandFailed, ConfigError
 from gpunode.host import Host
 from gpunode.runtimes.model import DEFAULT_NVIDIA_RUNTIME_NAME, RuntimeConfigState
 
 DAEMON_JSON = "/etc/docker/daemon.json"
 BUILTIN_DEFAULT_RUNTIME = "runc"
 NVIDIA_RUNTIME_BINARY = "nvidia-container-runtime"
+VERSION_TIMEOUT = 15.0
+
+UTF8_BOM = "\ufeff"
+# dockerd skips one UTF-8 byte order mark at the start of daemon.json from 23.0 on (moby#44770, backported
+# to 23.0 as #44777; Windows' Notepad writes one). 20.10 stops on it: "invalid character 'ï' looking for
+# beginning of value". Seen with the real 20.10, 26 and 28.
+READS_BOM_SINCE = (23, 0)
+# A runtimes entry is what dockerd's runtime type reads: `path` and `runtimeArgs` (a binary), and from 23.0
+# on `runtimeType` and `options` instead (a containerd shim). Any other key (nvidia-ctk's `"args": []`) is
+# ignored. dockerd 26 and 28 refuse to start when an entry has `path` next to a shim key ("cannot configure
+# both path and runtimeType", "options cannot be used with a path runtime"), though `dockerd --validate`
+# passes such a file; 20.10 does not know the shim keys and ignores them.
+SHIM_RUNTIME_KEYS = ("runtimeType", "options")
+SHIMS_SINCE = (23, 0)
+
+
+def split_bom(text: str) -> tuple[str, str]:
+    """(the UTF-8 byte order mark the text starts with, or "", the rest)."""
+    if text.startswith(UTF8_BOM):
+        return UTF8_BOM, text[len(UTF8_BOM) :]
+    return "", text
 
 
 def parse_daemon_json(text: str, path: str) -> dict[str, Any]:
-    """The top-level object of daemon.json; a blank file reads as {} (read_state says dockerd rejects it)."""
-    if not text.strip():
+    """The top-level object of daemon.json; a blank file reads as {} (read_state says dockerd rejects it).
+
+    One leading byte order mark is skipped, as dockerd 23+ skips it; whether the dockerd that reads the
+    file accepts one is startup_problems' question, not the parser's.
+    """
+    _, body = split_bom(text)
+    if not body.strip():
         return {}
     try:
-        data = json.loads(text)
+        data = json.loads(body)
     except json.JSONDecodeError as exc:
         raise ConfigError(
             f"{path} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}",
@@ -107,12 +134,70 @@ def find_nvidia_runtime(runtimes: Mapping[str, Mapping[str, Any]], default: str)
     return next(iter(found.items()), None)
 
 
-def startup_problems(text: str, config: Mapping[str, Any], path: str) -> list[str]:
-    """What in the file would stop dockerd from starting (it checks these itself at start and on SIGHUP)."""
+def parse_dockerd_version(output: str) -> tuple[int, int] | None:
+    """(major, minor) from `dockerd --version`: "Docker version 28.5.2+dfsg4, build 3ef3c07"."""
+    found = re.search(r"\bversion v?(\d+)\.(\d+)", output)
+    return (int(found.group(1)), int(found.group(2))) if found else None
+
+
+def installed_dockerd_version(host: Host) -> tuple[int, int] | None:
+    """The version of the dockerd that reads daemon.json; None when there is none or it does not say."""
+    if host.which("dockerd") is None:
+        return None
+    try:
+        result = host.run(["dockerd", "--version"], timeout=VERSION_TIMEOUT)
+    except CommandFailed:
+        return None
+    return parse_dockerd_version(result.stdout) if result.ok else None
+
+
+def bom_problem(text: str, path: str, dockerd: tuple[int, int] | None) -> str | None:
+    """Why a file starting with a UTF-8 BOM stops the dockerd that reads it (None: it does not)."""
+    if not split_bom(text)[0] or (dockerd is not None and dockerd >= READS_BOM_SINCE):
+        return None
+    since = ".".join(map(str, READS_BOM_SINCE))
+    which = (
+        f"which dockerd {dockerd[0]}.{dockerd[1]} refuses"
+        if dockerd is not None
+        else "and gpunode cannot tell which dockerd reads the file (no `dockerd --version` answered)"
+    )
+    return (
+        f"{path} starts with a UTF-8 byte order mark (BOM), {which}: dockerd reads one only from {since} on "
+        "and before that refuses to start (\"invalid character 'ï' looking for beginning of value\")"
+    )
+
+
+def path_and_shim(runtimes: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """The runtimes entries that name a binary (`path`) and a containerd shim's keys at once."""
+    return [
+        name
+        for name, entry in runtimes.items()
+        if entry.get("path") and any(key in entry for key in SHIM_RUNTIME_KEYS)
+    ]
+
+
+def startup_problems(
+    text: str, config: Mapping[str, Any], path: str, dockerd: tuple[int, int] | None = None
+) -> list[str]:
+    """What in the file would stop dockerd from starting (it checks these itself at start and on SIGHUP).
+
+    `dockerd` is the version of the daemon that reads the file, when known: a BOM and a runtime with both
+    a path and shim keys depend on it (unknown counts as refused: gpunode never calls such a file fine).
+    """
     problems: list[str] = []
-    if not text.strip():
+    bom = bom_problem(text, path, dockerd)
+    if bom is not None:
+        problems.append(bom)
+    _, body = split_bom(text)
+    if not body.strip():
         problems.append(f"{path} is empty: dockerd refuses to start with an empty daemon.json (write {{}})")
     runtimes = configured_runtimes(config, path)
+    for name in path_and_shim(runtimes) if dockerd is None or dockerd >= SHIMS_SINCE else ():
+        shim = " and ".join(key for key in SHIM_RUNTIME_KEYS if key in runtimes[name])
+        problems.append(
+            f"{path}: runtimes.{name} has both path and {shim}: dockerd refuses to start (a runtime is "
+            "either a binary or a containerd shim)"
+        )
     if BUILTIN_DEFAULT_RUNTIME in runtimes:
         problems.append(
             f'{path} defines a runtime named "runc": dockerd refuses to start (the name is reserved)'
@@ -143,11 +228,14 @@ def read_state(host: Host, path: str = DAEMON_JSON) -> RuntimeConfigState:
     runtimes = configured_runtimes(config, path)
     default = default_runtime(config, path)
     nvidia = find_nvidia_runtime(runtimes, default)
-    problems = tuple(startup_problems(text, config, path))
+    # dockerd is asked its version only when the answer matters: doctor runs read_state on every node.
+    matters = bool(split_bom(text)[0]) or bool(path_and_shim(runtimes))
+    dockerd = installed_dockerd_version(host) if matters else None
+    problems = tuple(startup_problems(text, config, path, dockerd))
     return RuntimeConfigState(
         runtime="docker",
         config_path=path,
-        exists=bool(text.strip()),
+        exists=bool(split_bom(text)[1].strip()),
         runtimes=tuple(runtimes),
         default_runtime=default,
         nvidia_runtime=nvidia[0] if nvidia else None,

@@ -119,14 +119,19 @@ def plan_docker(host: Host, opts: ConfigureOptions) -> RuntimePlan:
     fmt = JsonFormat()
     text = host.read_text_if_exists(path)
     doc = fmt.parse(text or "", path)
+    bom, body = docker.split_bom(text or "")
     _refuse_what_dockerd_refuses(host, text, doc, path, opts)
 
     editor = Editor(fmt, doc)
     messages: list[str] = []
     entry = docker.configured_runtimes(doc, path).get(opts.runtime_name)
     if entry is None:
-        editor.set(("runtimes", opts.runtime_name), {"path": opts.runtime_path, "args": []})
+        # Only what dockerd reads: `path` (its `runtimeArgs` would be the arguments; nvidia-ctk's `"args": []`
+        # is a key dockerd ignores, so gpunode does not write it).
+        editor.set(("runtimes", opts.runtime_name), {"path": opts.runtime_path})
     else:
+        _refuse_shim_entry(entry, path, opts)
+        # The entry's own keys (runtimeArgs, anything else) stay: only the binary is gpunode's.
         editor.set(("runtimes", opts.runtime_name, "path"), opts.runtime_path)
     if opts.set_as_default:
         editor.set(("default-runtime",), opts.runtime_name)
@@ -134,9 +139,11 @@ def plan_docker(host: Host, opts: ConfigureOptions) -> RuntimePlan:
         # Merged into `features`: replacing that object would drop the user's other feature flags.
         editor.set(("features", "cdi"), True)
         messages.append("CDI in dockerd needs Docker 25 or later; older releases ignore features.cdi")
-    if text is not None and not text.strip():
-        messages.append(f"{path} was empty, which dockerd refuses; gpunode writes a valid file")
-    after = fmt.render(doc, text) if editor.edits or (text is not None and not text.strip()) else text
+    blank = text is not None and not body.strip()
+    if blank:
+        messages.append(f"{path} was empty, which dockerd before 23.0 refuses; gpunode writes a valid file")
+    # A BOM reaching this point is one the installed dockerd reads: it stays, as the user's editor put it.
+    after = bom + fmt.render(doc, body) if editor.edits or blank else text
     change = FileChange(path, text, after, tuple(editor.edits))
     return RuntimePlan(
         runtime="docker",
@@ -156,7 +163,13 @@ def _refuse_what_dockerd_refuses(
 
     Two problems gpunode repairs itself: an empty file, and a default runtime that is the one being added.
     """
-    problems = docker.startup_problems(text if text and text.strip() else "{}", doc, path)
+    bom, body = docker.split_bom(text or "")
+    # Which dockerd reads the file decides about a BOM and about shim keys next to a path; it is asked only
+    # then (one process fewer on the common path).
+    runtimes = docker.configured_runtimes(doc, path)
+    dockerd = docker.installed_dockerd_version(host) if bom or docker.path_and_shim(runtimes) else None
+    # An empty file is one gpunode repairs, so it is judged as {} (with the BOM it had, if any).
+    problems = docker.startup_problems(text if text and body.strip() else bom + "{}", doc, path, dockerd)
     default = docker.default_runtime(doc, path)
     problems = [p for p in problems if not (default == opts.runtime_name and f'"{default}"' in p)]
     docker.cdi_enabled(doc, path)  # raises on a `features` that is not an object
@@ -166,9 +179,29 @@ def _refuse_what_dockerd_refuses(
             f"{path} has key(s) dockerd does not know: {', '.join(unknown)}; dockerd refuses to start with it"
         )
     if problems:
+        fix = f"correct {path} first (gpunode left it untouched), then run the command again"
+        if docker.bom_problem(text or "", path, dockerd) is not None:
+            # GNU sed reads \xHH in a regular expression: this takes exactly the three bytes away.
+            rest = ", correct the rest as said" if len(problems) > 1 else ""
+            fix = (
+                f"remove the byte order mark (the file's first 3 bytes): sed -i '1s/^\\xEF\\xBB\\xBF//' "
+                f"{path} (or save it as UTF-8 without BOM){rest}, then run the command again"
+            )
+        raise ConfigError("; ".join(problems), fix)
+
+
+def _refuse_shim_entry(entry: Mapping[str, Any], path: str, opts: ConfigureOptions) -> None:
+    """An entry that is a containerd shim (runtimeType / options) cannot take a path: a dockerd that knows
+    those keys (seen with 26 and 28) refuses to start on both, so gpunode would write a file it will not
+    take. 20.10 ignores the keys, but the entry does not run a binary there either: refused for all."""
+    shim = [key for key in docker.SHIM_RUNTIME_KEYS if key in entry]
+    if shim and not entry.get("path"):
+        name = opts.runtime_name
         raise ConfigError(
-            "; ".join(problems),
-            f"correct {path} first (gpunode left it untouched), then run the command again",
+            f"{path}: runtimes.{name} is a containerd shim ({' and '.join(shim)}), and dockerd refuses to "
+            f"start on a runtime with both those keys and a path; gpunode left the file untouched",
+            f"remove runtimes.{name} from {path} (gpunode then adds its own), or choose another "
+            "--runtime-name",
         )
 
 
