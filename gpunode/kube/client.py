@@ -334,12 +334,13 @@ class KubeClient:
                     read=self.timeouts.read,
                     deadline=deadline,
                     max_bytes=MAX_ANSWER_BYTES,
-                    data=body,
-                    headers=headers,
-                    verify=self._verify,
-                    cert=self._cert,
-                    proxies=self._proxies,
-                    allow_redirects=False,
+                    options=transport.Options(
+                        headers=headers,
+                        data=body,
+                        verify=self._verify,
+                        cert=self._cert,
+                        proxies=self._proxies,
+                    ),
                 )
         except transport.DeadlineExceeded as exc:
             cause = exc

@@ -20,9 +20,11 @@ import contextlib
 import contextvars
 import socket
 import threading
+import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
+from urllib.parse import urljoin
 
 import requests
 import urllib3
@@ -75,6 +77,7 @@ class _Watchdog:
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
+        self._ends = time.monotonic() + seconds
         self._lock = threading.Lock()
         self._connections: list[Any] = []
         self._expired = False
@@ -93,6 +96,9 @@ class _Watchdog:
             expired = self._expired
         if expired:
             _shut(connection)
+
+    def remaining(self) -> float:
+        return self._ends - time.monotonic()
 
     def cancel(self) -> None:
         self._timer.cancel()
@@ -166,6 +172,20 @@ def session() -> requests.Session:
     return new
 
 
+REDIRECTS = frozenset({301, 302, 303, 307, 308})
+
+
+@dataclass(frozen=True)
+class Options:
+    """What a request carries besides its method and URL (requests' arguments of the same names)."""
+
+    headers: Mapping[str, str] = field(default_factory=dict)
+    data: bytes | None = None
+    verify: str | bool = True
+    cert: tuple[str, str] | None = None
+    proxies: Mapping[str, str] = field(default_factory=dict)
+
+
 def request(
     http: requests.Session,
     method: str,
@@ -175,35 +195,82 @@ def request(
     read: float,
     deadline: float,
     max_bytes: int,
-    **kwargs: Any,
+    max_redirects: int = 0,
+    options: Options | None = None,
 ) -> Answer:
     """Send one request and read its whole answer, within `deadline` seconds and `max_bytes` bytes.
 
-    Raises DeadlineExceeded or TooLarge, and requests' own exceptions for everything else (a connect
-    timeout stays a ConnectTimeout: nothing was sent yet, so it may be tried again)."""
+    Redirects (up to `max_redirects`; 0: a redirect is the answer) are followed here, each bounded the
+    same way, all within the one deadline. Raises DeadlineExceeded or TooLarge, and requests' own
+    exceptions for everything else (a connect timeout stays a ConnectTimeout: nothing was sent yet, so
+    it may be tried again)."""
+    opts = options or Options()
     watchdog = _Watchdog(deadline)
     context = _current.set(watchdog)
     try:
-        try:
-            response = http.request(
+        for _ in range(max_redirects + 1):
+            answer = _send_once(
+                http,
                 method,
                 url,
-                stream=True,
-                timeout=(min(connect, deadline), min(read, deadline)),
-                **kwargs,
+                watchdog=watchdog,
+                connect=connect,
+                read=read,
+                max_bytes=max_bytes,
+                opts=opts,
             )
-        except requests.exceptions.ConnectTimeout:
-            raise
-        except requests.exceptions.RequestException as exc:
-            if watchdog.expired:
-                raise DeadlineExceeded(deadline) from exc
-            raise
-        with response:
-            body = _read_body(response, watchdog, max_bytes)
-        return Answer(response.status_code, response.reason or "", response.headers, response.url, body)
+            location = answer.headers.get("Location")
+            if max_redirects == 0 or answer.status_code not in REDIRECTS or not location:
+                return answer
+            url = urljoin(answer.url, location)
+            if answer.status_code == 303 or (answer.status_code in (301, 302) and method == "POST"):
+                method = "GET"  # what browsers and requests do: the body is not sent again
+                opts = replace(opts, data=None)
+        raise requests.exceptions.TooManyRedirects(f"more than {max_redirects} redirects, the last to {url}")
     finally:
         watchdog.cancel()
         _current.reset(context)
+
+
+def _send_once(
+    http: requests.Session,
+    method: str,
+    url: str,
+    *,
+    watchdog: _Watchdog,
+    connect: float,
+    read: float,
+    max_bytes: int,
+    opts: Options,
+) -> Answer:
+    left = max(watchdog.remaining(), 0.001)
+    try:
+        # The session prepares the request (its headers, the environment's proxies and CAs when it
+        # trusts the environment), but its adapter sends it: Session.send, even with
+        # allow_redirects=False, reads a redirect's whole body, unbounded, to work out where it leads.
+        prepared = http.prepare_request(
+            requests.Request(method, url, headers=dict(opts.headers), data=opts.data)
+        )
+        settings = http.merge_environment_settings(
+            prepared.url, dict(opts.proxies), True, opts.verify, opts.cert
+        )
+        response = http.get_adapter(prepared.url or url).send(
+            prepared,
+            stream=True,
+            timeout=(min(connect, left), min(read, left)),
+            verify=True if settings["verify"] is None else settings["verify"],
+            cert=settings["cert"],
+            proxies=settings["proxies"],
+        )
+    except requests.exceptions.ConnectTimeout:
+        raise
+    except requests.exceptions.RequestException as exc:
+        if watchdog.expired:
+            raise DeadlineExceeded(watchdog.seconds) from exc
+        raise
+    with response:
+        body = _read_body(response, watchdog, max_bytes)
+    return Answer(response.status_code, response.reason or "", response.headers, response.url, body)
 
 
 def _read_body(response: requests.Response, watchdog: _Watchdog, max_bytes: int) -> bytes:

@@ -134,7 +134,7 @@ def fetch_key(
                 read=timeout[1],
                 deadline=deadline,
                 max_bytes=KEY_DOWNLOAD_LIMIT,
-                allow_redirects=True,
+                max_redirects=5,  # a mirror may redirect (http to https, another host): the key is checked
             )
         if answer.status_code != 200:
             raise SigningKeyError(

@@ -84,6 +84,7 @@ class Stream:
     interval: float = 2.0
     body: bytes = b""
     code: int = 200
+    headers: tuple[tuple[str, str], ...] = ()
     phase: str = "body"
     limit: float = 30.0
     announce: int | None = 2**30
@@ -282,16 +283,31 @@ class ApiServer:
         with self._lock:
             self._streams.extend([Stream("trickle", interval=interval, phase=phase, limit=limit)] * count)
 
-    def flood_next(self, *, announce: int | None = 2**30, cap: int = 256 * 2**20, count: int = 1) -> None:
-        """Answer each of the next `count` requests with 200 and a body of `announce` bytes (None: chunked,
-        no length), streamed as fast as the client reads until it hangs up or `cap` bytes are sent."""
+    def flood_next(
+        self,
+        *,
+        announce: int | None = 2**30,
+        cap: int = 256 * 2**20,
+        code: int = 200,
+        headers: Mapping[str, str] | None = None,
+        count: int = 1,
+    ) -> None:
+        """Answer each of the next `count` requests with `code` (and `headers`) and a body of `announce`
+        bytes (None: chunked, no length), streamed as fast as the client reads until it hangs up or `cap`
+        bytes are sent."""
+        extra = tuple((headers or {}).items())
         with self._lock:
-            self._streams.extend([Stream("flood", announce=announce, cap=cap)] * count)
+            self._streams.extend(
+                [Stream("flood", announce=announce, cap=cap, code=code, headers=extra)] * count
+            )
 
-    def raw_next(self, body: bytes, *, code: int = 200, count: int = 1) -> None:
-        """Answer each of the next `count` requests with `code` and exactly `body` (application/json)."""
+    def raw_next(
+        self, body: bytes, *, code: int = 200, headers: Mapping[str, str] | None = None, count: int = 1
+    ) -> None:
+        """Answer each of the next `count` requests with `code`, `headers` and exactly `body`."""
+        extra = tuple((headers or {}).items())
         with self._lock:
-            self._streams.extend([Stream("raw", body=body, code=code)] * count)
+            self._streams.extend([Stream("raw", body=body, code=code, headers=extra)] * count)
 
     def next_stream(self, method: str, raw_path: str, headers: Mapping[str, str]) -> Stream | None:
         """The hostile answer for this request, if one is pending (it is logged as a 200)."""
@@ -693,13 +709,19 @@ def _handler_for(server: ApiServer) -> type[BaseHTTPRequestHandler]:
                 self._send(data[index : index + 1])
                 server.stopping.wait(stream.interval)
 
-        def _raw(self, stream: Stream) -> None:
+        def _status_line(self, stream: Stream) -> bytes:
             head = f"HTTP/1.1 {stream.code} {HTTPStatus(stream.code).phrase}\r\n"
-            head += f"Content-Type: application/json\r\nContent-Length: {len(stream.body)}\r\n\r\n"
-            self._send(head.encode() + stream.body)
+            # Connection: close: the connection is closed after these answers, the client must not reuse it.
+            head += "Content-Type: application/json\r\nConnection: close\r\n"
+            head += "".join(f"{key}: {value}\r\n" for key, value in stream.headers)
+            return head.encode()
+
+        def _raw(self, stream: Stream) -> None:
+            head = self._status_line(stream) + f"Content-Length: {len(stream.body)}\r\n\r\n".encode()
+            self._send(head + stream.body)
 
         def _flood(self, stream: Stream) -> None:
-            head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+            head = self._status_line(stream)
             if stream.announce is None:
                 head += b"Transfer-Encoding: chunked\r\n\r\n"
             else:

@@ -746,3 +746,21 @@ def test_a_server_slow_from_its_tls_handshake_on_ends_at_the_deadline(api: ApiSe
         )
         assert relay.relayed < 20  # a few bytes of the server's handshake, of the 20 s it would take
     assert api.requests == []
+
+
+def test_a_redirect_is_an_answer_not_followed(api: ApiServer, pki: Pki) -> None:
+    # Never followed: the token would go wherever the server points.
+    api.raw_next(b"", code=302, headers={"Location": "https://elsewhere.example/api/v1/nodes/n1"})
+    with client(creds(api, pki)) as kube:
+        error = failure(lambda: kube.get_node("n1"))
+    assert error.message == f"the Kubernetes API at {api.url}/api/v1/nodes/n1 answered 302 Found"
+    assert len(api.requests) == 1
+
+
+def test_a_redirect_whose_body_has_no_end_is_stopped_at_the_size_limit(api: ApiServer, pki: Pki) -> None:
+    # requests' Session.send reads a redirect's whole body even when it does not follow it.
+    api.flood_next(announce=None, code=302, headers={"Location": "https://elsewhere.example/"})
+    with client(creds(api, pki)) as kube:
+        error = failure(lambda: kube.get_node("n1"))
+    assert error.message.startswith(f"the answer from {api.url}/api/v1/nodes/n1 is larger than 16 MiB,")
+    assert api.streamed < 64 * 2**20

@@ -175,3 +175,29 @@ def test_a_mirror_that_sends_without_end_is_stopped_at_1_mib(announce: int | Non
         with pytest.raises(keys.SigningKeyError, match="sent more than 1 MiB; that is not a signing key"):
             keys.fetch_key(f"{mirror.url}/gpgkey")
         assert mirror.streamed < 64 * 2**20
+
+
+def test_a_redirect_with_a_body_without_end_is_stopped_at_1_mib_too() -> None:
+    # requests itself reads a redirect's whole body before following it: gpunode follows redirects itself.
+    from tests.kubeapi.apiserver import ApiServer
+
+    with ApiServer() as mirror:
+        mirror.flood_next(announce=None, code=302, headers={"Location": "/elsewhere/gpgkey"})
+        with pytest.raises(keys.SigningKeyError, match="sent more than 1 MiB; that is not a signing key"):
+            keys.fetch_key(f"{mirror.url}/gpgkey")
+        assert mirror.streamed < 64 * 2**20
+
+
+def test_redirects_are_followed_to_the_key() -> None:
+    from tests.kubeapi.apiserver import ApiServer
+
+    with ApiServer() as mirror:
+        mirror.raw_next(b"", code=301, headers={"Location": "/moved/gpgkey"})
+        mirror.raw_next(b"", code=302, headers={"Location": f"{mirror.url}/again/gpgkey"})
+        mirror.raw_next(RSA)
+        assert keys.fetch_key(f"{mirror.url}/gpgkey") == RSA
+        assert [r.path for r in mirror.requests] == ["/gpgkey", "/moved/gpgkey", "/again/gpgkey"]
+        for _ in range(6):
+            mirror.raw_next(b"", code=302, headers={"Location": "/loop"})
+        with pytest.raises(keys.SigningKeyError, match="more than 5 redirects"):
+            keys.fetch_key(f"{mirror.url}/gpgkey")
