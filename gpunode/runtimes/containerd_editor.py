@@ -49,6 +49,12 @@ def plan_containerd(host: Host, opts: ConfigureOptions) -> RuntimePlan:
     else:
         location = ctd.detect_location(host)
         flavour = location.flavour
+        if flavour in ("k3s", "rke2"):
+            from gpunode.runtimes import k3s  # it imports this module
+
+            k3s_plan = k3s.plan_k3s(host, location, opts)
+            if k3s_plan is not None:
+                return k3s_plan  # None: the user's own plain-TOML template, edited below like any file
         path, base_text = _target(host, location, messages)
     text = host.read_text_if_exists(path)
     if (path.endswith(".tmpl") or path == ctd.MICROK8S_TEMPLATE) and ctd.has_go_template_syntax(
@@ -130,21 +136,11 @@ def _target(host: Host, location: ctd.ConfigLocation, messages: list[str]) -> tu
     """(the file to edit, its current text or the text it starts from)."""
     if not location.regenerated:
         return location.config_path, host.read_text_if_exists(location.config_path)
-    if location.template_path is not None:
-        return location.template_path, host.read_text(location.template_path)
-    generated = host.read_text_if_exists(location.config_path)
-    if generated is None:
-        raise NotFound(
-            f"{location.flavour} has not generated {location.config_path} yet, and there is no template",
-            f"start {location.flavour} once so that it writes its containerd configuration, then run this "
-            "command again",
-        )
-    template = location.template_candidates[-1]  # config.toml.tmpl: the name every k3s/RKE2 release reads
-    messages.append(
-        f"{location.flavour} regenerates {location.config_path} at every start: gpunode creates {template} "
-        "from it and edits that instead"
-    )
-    return template, generated
+    if location.template_path is None:
+        # k3s / RKE2 without a template are planned by gpunode.runtimes.k3s: never a frozen copy of
+        # config.toml, whose k3s settings would no longer follow k3s upgrades.
+        raise NotFound(f"{location.flavour} has no template at {', '.join(location.template_candidates)}")
+    return location.template_path, host.read_text(location.template_path)
 
 
 def _check_version(path: str, version: int, installed: tuple[int, int] | None) -> None:

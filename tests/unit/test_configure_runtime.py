@@ -340,18 +340,19 @@ def test_relative_drop_in_is_a_usage_error(tmp_path: Path) -> None:
         plan_configure(host, "containerd", ConfigureOptions(drop_in="conf.d/99-nvidia.toml"))
 
 
-def test_k3s_template_is_created_from_the_generated_config(tmp_path: Path) -> None:
+def test_k3s_generated_config_is_never_frozen_into_a_template(tmp_path: Path) -> None:
+    # The generated file already has k3s's own nvidia runtime (k3s found the binary): nothing to add, and
+    # no copy of config.toml as config.toml.tmpl (k3s upgrades would stop reaching containerd).
     generated = fixture("containerd/k3s-config.toml")
     put(tmp_path, containerd.K3S_CONFIG, generated)
     host, _ = make_host(tmp_path, None)
-    plan = configure(host, "containerd", set_as_default=True)
-    assert plan.flavour == "k3s" and plan.unit == "k3s.service"
-    assert any("creates" in m and containerd.K3S_TEMPLATE in m for m in plan.messages)
-    template = tmp_path / containerd.K3S_TEMPLATE.lstrip("/")
-    assert dig(tomlread.loads(template.read_text()), *CRI, "containerd", "default_runtime_name") == "nvidia"
-    assert (tmp_path / containerd.K3S_CONFIG.lstrip("/")).read_text() == generated  # k3s rewrites it anyway
-    revert(host, "containerd")
-    assert not template.exists()  # it did not exist before gpunode
+    plan = configure(host, "containerd")
+    assert plan.flavour == "k3s" and plan.unit == "k3s.service" and not plan.pending
+    assert any("already adds" in m for m in plan.messages)
+    assert not (tmp_path / containerd.K3S_TEMPLATE.lstrip("/")).exists()
+    assert (tmp_path / containerd.K3S_CONFIG.lstrip("/")).read_text() == generated
+    with pytest.raises(ConfigError, match="default runtime"):  # k3s's default-runtime is the way that lasts
+        plan_configure(host, "containerd", ConfigureOptions(set_as_default=True))
 
 
 def test_k3s_go_template_is_refused_untouched(tmp_path: Path) -> None:
