@@ -9,9 +9,11 @@ once when it is already over). Connecting, TLS handshake included (Python's ssl 
 timeout to the whole handshake), is bounded by the connect timeout, which is never longer than the
 deadline; only a name lookup that hangs is out of reach (getaddrinfo cannot be interrupted).
 
-Imported only by the modules that send requests (requests is a heavy import; gpunode's start-up does not
-pay for it). The watchdog finds the connection a request uses through connection pools that report each
-connection they hand out, for the request running in the current context.
+Used by the Kubernetes client and by toolkit's key download; imported only when a request is sent
+(requests is a heavy import; gpunode's start-up does not pay for it). Redirects are followed here, when
+at all, never by requests' Session.send, which reads a redirect's body whole before anything else. The
+watchdog finds the connection a request uses through connection pools that report each connection they
+hand out, for the request running in the current context.
 """
 
 from __future__ import annotations
