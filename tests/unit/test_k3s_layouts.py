@@ -1,13 +1,12 @@
 """configure-runtime on k3s / RKE2: the layout each release reads, never a frozen copy of config.toml.
 
 The generated configs are tests/fixtures/containerd/k3s/ (rendered k3s configs of each layout). The
-template gpunode writes is rendered here the way k3s's text/template does for the few actions it uses
-(`render_like_k3s`), with the generated config as the output of `{{ template "base" . }}`.
+template gpunode writes is rendered the way k3s's text/template does for the few actions it uses
+(tests/gotemplate.py), with the generated config as the output of `{{ template "base" . }}`.
 """
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ from gpunode.runtimes import containerd, k3s
 from gpunode.runtimes.configure import apply, plan_configure, plan_revert
 from gpunode.runtimes.plan import ConfigureOptions, RuntimePlan
 from tests import tomlread
+from tests.gotemplate import render_like_k3s
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "containerd" / "k3s"
 NVIDIA = "/usr/bin/nvidia-container-runtime"
@@ -66,39 +66,6 @@ def files_under(root: Path) -> dict[str, bytes]:
         for p in sorted(root.rglob("*"))
         if p.is_file() and "var/lib/gpunode" not in str(p)
     }
-
-
-_ACTION = re.compile(r"\{\{(.*?)\}\}", re.S)
-
-
-def render_like_k3s(template: str, base: str, found: frozenset[str] = frozenset()) -> str:
-    """Execute the template as Go's text/template would, for exactly the actions gpunode writes: a string
-    literal, `template "base" .` (the base output) and `if not (index .ExtraRuntimes "X").BinaryName` /
-    `end` (X is in `found` when k3s found that runtime itself). Any other action fails the test."""
-    out: list[str] = []
-    skipping: list[bool] = []
-    pos = 0
-    for action in _ACTION.finditer(template):
-        if not any(skipping):
-            out.append(template[pos : action.start()])
-        pos = action.end()
-        body = action.group(1)
-        assert not body.startswith("-") and not body.endswith("-"), body  # no trim markers
-        body = body.strip()
-        guard = re.fullmatch(r'if not \(index \.ExtraRuntimes "([^"]+)"\)\.BinaryName', body)
-        if body == '"\\n"':
-            out.append("" if any(skipping) else "\n")
-        elif body == 'template "base" .':
-            out.append("" if any(skipping) else base)
-        elif guard:
-            skipping.append(guard.group(1) in found)
-        elif body == "end":
-            skipping.pop()
-        else:
-            raise AssertionError(f"k3s-like rendering does not know {{{{ {body} }}}}")
-    assert not skipping, "an {{ if }} without {{ end }}"
-    out.append(template[pos:])
-    return "".join(out)
 
 
 def dig(doc: Any, *keys: str) -> Any:
