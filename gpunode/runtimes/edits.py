@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import tomlkit
 from tomlkit.container import Container
 from tomlkit.exceptions import ParseError, TOMLKitError
-from tomlkit.items import AoT, Item, Table, Whitespace
+from tomlkit.items import AoT, Item, String, StringType, Table, Whitespace
 
 from gpunode.errors import ConfigError
 
@@ -281,33 +281,46 @@ class TomlFormat:
 
     name = "toml"
 
+    def __init__(self) -> None:
+        # Per document (by id): whether its strings are mostly 'literal', and the tables gpunode added.
+        self._literal: dict[int, bool] = {}
+        self._header_step: dict[int, str] = {}
+        self._new_tables: dict[int, list[tuple[str, ...]]] = {}
+
     def parse(self, text: str, path: str) -> MutableMapping[str, Any]:
         if text and not text.endswith("\n"):
             text += "\n"  # else a table gpunode appends would start on the last line of the file
-        return parse_toml_document(text, path)
+        doc = parse_toml_document(text, path)
+        self._literal[id(doc)] = _prefers_literal_strings(doc)
+        self._header_step[id(doc)] = _header_step(doc)
+        return doc
 
     def render(self, doc: MutableMapping[str, Any], original: str | None) -> str:
         text = tomlkit.dumps(doc)
         # A table appended at the end carries the blank line that separates it from a following one.
         if text.endswith("\n\n") and not (original or "").endswith("\n\n"):
             text = text.rstrip("\n") + "\n"
-        return text
+        return _blank_line_before(text, self._new_tables.get(id(doc), []))
 
     def set(self, doc: MutableMapping[str, Any], path: Sequence[str], value: Any) -> None:
         parent = _parents(doc, path[:-1], lambda: tomlkit.table(is_super_table=True))
         key = path[-1]
+        literal = self._literal.get(id(doc), False)
         if isinstance(value, Mapping):
             like = _sibling_table(parent)
             if key in parent:
                 del parent[key]
-            parent[key] = _styled_table(value, like)
+            parent[key] = _styled_table(value, like, literal=literal, step=self._header_step.get(id(doc), ""))
             _indent_like(_raw_item(parent, key), like)  # after insertion: tomlkit adds the parent's indent
+            self._new_tables.setdefault(id(doc), []).extend(_table_paths(tuple(path), value))
             return
         if key in parent:
-            parent[key] = value  # tomlkit keeps the key's comment and indentation
+            old = _raw_item(parent, key)
+            # tomlkit keeps the key's comment and indentation; the quoting is kept here.
+            parent[key] = _styled_value(value, _is_literal(old) if isinstance(old, String) else literal)
             return
         indent = _key_indent(parent)
-        parent[key] = value
+        parent[key] = _styled_value(value, literal)
         item = _raw_item(parent, key)
         if item is not None and indent:
             item.trivia.indent = indent
@@ -368,24 +381,126 @@ def _sibling_table(container: Any) -> Table | None:
     return tables[-1] if tables else None
 
 
-def _styled_table(value: Mapping[str, Any], like: Table | None) -> Table:
+def _is_literal(item: String) -> bool:
+    return item.type in (StringType.SLL, StringType.MLL)
+
+
+def _header_step(doc: Any) -> str:
+    """How much deeper the file indents a sub-table's header than its parent's (containerd's own files:
+    two spaces; hand-written ones: usually none), from the first table nested in another."""
+    pending: list[Any] = [doc]
+    while pending:
+        container = pending.pop()
+        for _, item in _body(container):
+            if not isinstance(item, Table):
+                continue
+            if isinstance(container, Table) and not container.is_super_table():
+                outer, inner = container.trivia.indent.lstrip("\n"), item.trivia.indent.lstrip("\n")
+                if inner.startswith(outer):
+                    return inner[len(outer) :]
+            pending.append(item)
+    return ""
+
+
+def _prefers_literal_strings(doc: Any) -> bool:
+    """Whether most string values of the document are 'literal' (containerd 2.x writes its config so)."""
+    literal = basic = 0
+    pending: list[Any] = [doc]
+    while pending:
+        container = pending.pop()
+        for _, item in _body(container):
+            if isinstance(item, String):
+                literal, basic = (literal + 1, basic) if _is_literal(item) else (literal, basic + 1)
+            elif isinstance(item, Table):
+                pending.append(item)
+            elif isinstance(item, AoT):
+                pending.extend(item.body)
+    return literal > basic
+
+
+def _styled_value(value: Any, literal: bool) -> Any:
+    """A new value quoted like its neighbours: 'literal' strings in a file that writes them (where the text
+    allows: no quote or line break in it), "basic" ones otherwise."""
+    if isinstance(value, str) and literal and "'" not in value and "\n" not in value:
+        return tomlkit.string(value, literal=True)
+    if isinstance(value, list):
+        array = tomlkit.array()
+        array.extend(_styled_value(v, literal) for v in value)
+        return array
+    return value
+
+
+def _table_paths(path: tuple[str, ...], value: Mapping[str, Any]) -> list[tuple[str, ...]]:
+    paths = [path]
+    for key, item in value.items():
+        if isinstance(item, Mapping):
+            paths.extend(_table_paths((*path, str(key)), item))
+    return paths
+
+
+def _blank_line_before(text: str, tables: Sequence[tuple[str, ...]]) -> str:
+    """Each table gpunode added starts after a blank line, however the file separates its own tables."""
+    if not tables:
+        return text
+    lines = text.split("\n")
+    for path in tables:
+        header = _header_pattern(path)
+        for n, line in enumerate(lines):
+            if n > 0 and header.match(line) and lines[n - 1].strip() != "":
+                lines.insert(n, "")
+                break
+    return "\n".join(lines)
+
+
+def _header_pattern(path: tuple[str, ...]) -> re.Pattern[str]:
+    # A key as tomlkit may render it: bare, "basic" or 'literal' (a key keeps the quoting the file used).
+    keys = [rf"""(?:{re.escape(k)}|"{re.escape(k)}"|'{re.escape(k)}')""" for k in path]
+    return re.compile(r"^\s*\[\s*" + r"\s*\.\s*".join(keys) + r"\s*\]\s*(?:#.*)?$")
+
+
+def _styled_table(
+    value: Mapping[str, Any],
+    like: Table | None,
+    *,
+    literal: bool = False,
+    header_indent: str | None = None,
+    key_indent: str | None = None,
+    step: str = "",
+) -> Table:
     """A new table with the look of `like` (a sibling): key indentation, a blank line before its
-    sub-tables and after it, as containerd's own generated file has."""
+    sub-tables and after it, as containerd's own generated file has. A sub-table with no sibling to copy
+    continues the file's indentation: its header `step` deeper than this one's, its keys as deep below it
+    as this table's keys are below this header."""
     table = tomlkit.table()
-    key_indent = _key_indent(like) if like is not None else ""
+    own_header = header_indent if header_indent is not None else (like.trivia.indent if like else "")
+    own_keys = key_indent if key_indent is not None else (_key_indent(like) if like is not None else "")
+    key_step = own_keys[len(own_header) :] if own_keys.startswith(own_header) else ""
     sub_like = _sibling_table(like) if like is not None else None
     scalars = {k: v for k, v in value.items() if not isinstance(v, Mapping)}
     tables = {k: v for k, v in value.items() if isinstance(v, Mapping)}
     for key, item in scalars.items():
-        table.add(key, item)
+        table.add(key, _styled_value(item, literal))
         raw = _raw_item(table, key)
-        if raw is not None and key_indent:
-            raw.trivia.indent = key_indent
+        if raw is not None and own_keys:
+            raw.trivia.indent = own_keys
     if scalars and tables:
         table.add(Whitespace("\n"))
     for key, item in tables.items():
-        table.add(key, _styled_table(item, sub_like))
-        _indent_like(_raw_item(table, key), sub_like)
+        if sub_like is not None:
+            sub_header = sub_like.trivia.indent
+            sub_keys = _key_indent(sub_like) or sub_header + key_step
+        else:
+            sub_header = own_header + step
+            sub_keys = sub_header + key_step
+        table.add(
+            key,
+            _styled_table(
+                item, sub_like, literal=literal, header_indent=sub_header, key_indent=sub_keys, step=step
+            ),
+        )
+        raw = _raw_item(table, key)
+        if raw is not None:
+            raw.trivia.indent = sub_header
     if not tables:
         table.add(Whitespace("\n"))
     return table
