@@ -1,4 +1,8 @@
-"""Run a real dockerd (Debian's docker.io, 20.10) on a daemon.json, fully private, for the integration tests.
+"""Run a real dockerd on a daemon.json, fully private, for the integration tests.
+
+The dockerd is Debian's docker.io (20.10) unless a test names another binary: the dockerd 26 and 28 that
+tests/testbed.py unpacks (`testbed.binary("dockerd-28")`). Those ship without a client; every version is
+asked through bookworm's `docker` (20.10), which negotiates the API version with the daemon.
 
 Everything the daemon writes lives under one short temp dir (unix socket paths are limited to 108 bytes):
 its data and exec roots, its socket, its pid file, its log and a containerd of its own. dockerd is always
@@ -64,13 +68,16 @@ CONTAINERD = _find("containerd", "/usr/bin/containerd")
 DOCKER = _find("docker", "/usr/bin/docker")
 
 
-def require_docker() -> None:
-    """Skip without dockerd, docker and containerd, except in CI, where the checks must not stop running."""
-    missing = [
-        name
-        for name, path in (("dockerd", DOCKERD), ("docker", DOCKER), ("containerd", CONTAINERD))
-        if not path
-    ]
+def require_docker(*, dockerd: bool = True) -> None:
+    """Skip without dockerd, docker and containerd, except in CI, where the checks must not stop running.
+
+    dockerd=False: the test brings its own dockerd binary (the test bed's), and needs only the client and
+    containerd from here.
+    """
+    wanted = [("docker", DOCKER), ("containerd", CONTAINERD)]
+    if dockerd:
+        wanted.insert(0, ("dockerd", DOCKERD))
+    missing = [name for name, path in wanted if not path]
     if not missing:
         return
     why = f"{', '.join(missing)} not installed (apt-get install docker.io)"
@@ -99,6 +106,7 @@ class Dockerd:
 
     root: Path
     config: Path
+    binary: str | None = None  # the dockerd to run; None: the system's (20.10)
     process: subprocess.Popen[bytes] | None = None
     containerd: subprocess.Popen[bytes] | None = None
     children: set[tuple[int, int]] = field(default_factory=set)  # (pid, start time)
@@ -161,11 +169,12 @@ class Dockerd:
 
         Raises DockerdExited if dockerd stops on its own first.
         """
-        assert DOCKERD is not None
+        program = self.binary or DOCKERD
+        assert program is not None
         self._start_containerd(timeout)
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
-                [*PRIVATE_MOUNTS, DOCKERD, *self.flags()],
+                [*PRIVATE_MOUNTS, program, *self.flags()],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -266,10 +275,15 @@ def short_tempdir() -> Iterator[Path]:
 
 
 @contextlib.contextmanager
-def running_dockerd(config: Path, timeout: float = READY_TIMEOUT) -> Iterator[Dockerd]:
-    """A dockerd serving on `config` for the duration of the block; stopped and cleaned up after it."""
+def running_dockerd(
+    config: Path, timeout: float = READY_TIMEOUT, binary: str | os.PathLike[str] | None = None
+) -> Iterator[Dockerd]:
+    """A dockerd serving on `config` for the duration of the block; stopped and cleaned up after it.
+
+    `binary`: the dockerd to run (default: the system's).
+    """
     with short_tempdir() as root:
-        daemon = Dockerd(root=root, config=config)
+        daemon = Dockerd(root=root, config=config, binary=_program(binary))
         try:
             daemon.start(timeout)
             yield daemon
@@ -277,13 +291,15 @@ def running_dockerd(config: Path, timeout: float = READY_TIMEOUT) -> Iterator[Do
             daemon.stop()
 
 
-def dockerd_refuses(config: Path, timeout: float = REFUSE_TIMEOUT) -> tuple[int, str]:
+def dockerd_refuses(
+    config: Path, timeout: float = REFUSE_TIMEOUT, binary: str | os.PathLike[str] | None = None
+) -> tuple[int, str]:
     """Start dockerd on `config` expecting it to exit with an error; return its exit code and message.
 
     Raises DockerdStarted if dockerd starts instead: a test can never mistake "started" for "refused".
     """
     with short_tempdir() as root:
-        daemon = Dockerd(root=root, config=config)
+        daemon = Dockerd(root=root, config=config, binary=_program(binary))
         try:
             daemon.start(timeout)
         except DockerdExited as exited:
@@ -294,7 +310,38 @@ def dockerd_refuses(config: Path, timeout: float = REFUSE_TIMEOUT) -> tuple[int,
     raise DockerdStarted(f"dockerd started with {config} instead of refusing it:\n{text}")
 
 
+def validate(binary: str | os.PathLike[str], config: Path, timeout: float = 60) -> tuple[int, str]:
+    """`dockerd --validate --config-file config` (dockerd 23 and later): its exit code and what it said.
+
+    It checks the file as dockerd loads it at start (JSON, keys, flag conflicts) but not what dockerd
+    checks later while starting (a runtime with both path and runtimeType passes it): a test that wants
+    to know whether dockerd runs on a file starts one.
+    """
+    result = subprocess.run(
+        [os.fspath(binary), "--validate", "--config-file", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=_daemon_env(),
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
+    return result.returncode, (result.stdout + result.stderr).strip()
+
+
+def version(binary: str | os.PathLike[str]) -> str:
+    """What `dockerd --version` says, e.g. "Docker version 28.5.2+dfsg4, build 3ef3c07"."""
+    result = subprocess.run(
+        [os.fspath(binary), "--version"], capture_output=True, text=True, timeout=60, check=True
+    )
+    return result.stdout.strip()
+
+
 # -- helpers ----------------------------------------------------------------------------------------
+
+
+def _program(binary: str | os.PathLike[str] | None) -> str | None:
+    return None if binary is None else os.fspath(binary)
 
 
 def _last_message(log: str) -> str:
