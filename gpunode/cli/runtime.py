@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
+from types import ModuleType
 from typing import TYPE_CHECKING, Optional
 
 import typer
@@ -63,6 +65,12 @@ def configure_runtime(
     revert: bool = typer.Option(
         False, "--revert", help="Put back the configuration as it was before gpunode changed it."
     ),
+    remove: bool = typer.Option(
+        False,
+        "--remove",
+        help="Take the runtime (--runtime-name) out of configuration gpunode did not write; "
+        "the default goes back to runc (undo with --revert).",
+    ),
     yes: bool = typer.Option(
         False, "--yes", "-y", help="Restart the runtime without asking (unattended use)."
     ),
@@ -78,6 +86,12 @@ def configure_runtime(
     host = state(ctx).host
     if revert and (set_as_default or cdi):
         raise UsageError("--revert undoes what gpunode did; it takes no --set-as-default or --cdi")
+    if remove and (revert or set_as_default or cdi or drop_in or in_place):
+        raise UsageError(
+            "--remove takes the runtime out; it cannot be combined with --revert, --set-as-default, --cdi, "
+            "--drop-in or --in-place",
+            "run them one after the other",
+        )
     opts = ConfigureOptions(
         runtime_name=runtime_name,
         runtime_path=runtime_path,
@@ -92,14 +106,14 @@ def configure_runtime(
     if why:
         typer.echo(why)
     if dry_run:
-        plan = (configure.plan_revert if revert else configure.plan_configure)(host, chosen, opts)
+        plan = _planner(configure, revert=revert, remove=remove)(host, chosen, opts)
         do_restart = restart if restart is not None else host.is_real_root and plan.standard_location
         _render_plan(plan, dry_run=True)
         if configure.will_restart(host, plan, do_restart):
             _render_restart(host, plan, dry_run=True)
         return
     with host.lock(records.LOCK):
-        plan = (configure.plan_revert if revert else configure.plan_configure)(host, chosen, opts)
+        plan = _planner(configure, revert=revert, remove=remove)(host, chosen, opts)
         do_restart = restart if restart is not None else host.is_real_root and plan.standard_location
         _render_plan(plan, dry_run=False)
         if configure.will_restart(host, plan, do_restart):
@@ -112,6 +126,13 @@ def configure_runtime(
     hint = ["gpunode"] + ([f"--root {host.root}"] if not host.is_real_root else [])
     hint += ["configure-runtime", plan.runtime, "--revert"]  # the record is per runtime: no file needed
     _render_outcome(outcome, do_restart, " ".join(hint))
+
+
+def _planner(configure: ModuleType, *, revert: bool, remove: bool) -> Callable[..., RuntimePlan]:
+    planner: Callable[..., RuntimePlan] = (
+        configure.plan_revert if revert else configure.plan_remove if remove else configure.plan_configure
+    )
+    return planner
 
 
 def _absolute(path: str | None, real_root: bool) -> str | None:

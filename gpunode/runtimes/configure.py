@@ -97,6 +97,20 @@ def plan_configure(host: Host, runtime: str, opts: ConfigureOptions) -> RuntimeP
     return plan
 
 
+def plan_remove(host: Host, runtime: str, opts: ConfigureOptions) -> RuntimePlan:
+    """Take the nvidia runtime out of configuration gpunode did not write (see gpunode.runtimes.remove)."""
+    from gpunode.runtimes import remove
+
+    check_options(opts)
+    plan = remove.plan_remove(host, runtime, opts)
+    plan = replace(plan, changes=tuple(replace(c, path=host.canonical(c.path)) for c in plan.changes))
+    fmt: Format = JsonFormat() if runtime == "docker" else TomlFormat()
+    for change in plan.pending:
+        if change.after is not None:
+            check_rendered(fmt, change.after, change.edits, change.path)
+    return plan
+
+
 def _with_directories(host: Host, plan: RuntimePlan) -> RuntimePlan:
     """Plan the directories a new file needs, so that the dry run and the run agree: a drop-in's directory
     (or any directory of a runtime's standard layout) is created with mode 0755, as nvidia-ctk does; a file

@@ -44,7 +44,8 @@ ABSENT: Any = _Absent()
 @dataclass(frozen=True)
 class Edit:
     """One key gpunode set. op "set": `path` now holds `after`; op "append": `after` was appended to the
-    list at `path`; op "table": gpunode created the (empty) table at `path` to hold its keys."""
+    list at `path`; op "table": gpunode created the (empty) table at `path` to hold its keys; op "delete":
+    gpunode removed `path`, which held `before` (`configure-runtime --remove`)."""
 
     path: tuple[str, ...]
     before: Any
@@ -52,14 +53,18 @@ class Edit:
     op: str = "set"
 
     def to_json(self) -> dict[str, Any]:
-        data: dict[str, Any] = {"path": list(self.path), "op": self.op, "after": self.after}
+        data: dict[str, Any] = {"path": list(self.path), "op": self.op}
+        if self.op != "delete":
+            data["after"] = self.after
         if self.before is not ABSENT:
             data["before"] = self.before
         return data
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Edit:
-        return cls(tuple(data["path"]), data.get("before", ABSENT), data.get("after"), data.get("op", "set"))
+        op = data.get("op", "set")
+        after = ABSENT if op == "delete" else data.get("after")
+        return cls(tuple(data["path"]), data.get("before", ABSENT), after, op)
 
     def describe(self) -> str:
         return ".".join(f'"{k}"' if "." in k else k for k in self.path)
@@ -136,6 +141,16 @@ class Editor:
         self.edits.append(Edit(path, before, item, op="append"))
         return True
 
+    def delete(self, path: Sequence[str]) -> bool:
+        """Remove `path` (a key or a whole table) when it is there; True when something changed."""
+        path = tuple(path)
+        before = lookup(self.doc, path)
+        if before is ABSENT:
+            return False
+        self.fmt.delete(self.doc, path)
+        self.edits.append(Edit(path, before, ABSENT, op="delete"))
+        return True
+
     def _record_created_tables(self, path: tuple[str, ...]) -> None:
         for depth in range(1, len(path)):
             if lookup(self.doc, path[:depth]) is ABSENT:
@@ -182,6 +197,12 @@ def undo_edits(fmt: Format, doc: MutableMapping[str, Any], edits: Sequence[Edit]
     notes: list[str] = []
     for edit in reversed(edits):
         current = lookup(doc, edit.path)
+        if edit.op == "delete":
+            if current is ABSENT:
+                fmt.set(doc, edit.path, edit.before)
+            else:
+                notes.append(f"left {edit.describe()} as it is: it was set again after gpunode removed it")
+            continue
         if edit.op == "append":
             if isinstance(current, list) and edit.after in current:
                 remaining = [v for v in current if v != edit.after]
