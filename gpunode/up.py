@@ -127,20 +127,25 @@ def _preflight(host: Host, discover: Callable[[Host], Inventory]) -> Step:
 
 def _toolkit(host: Host, opts: UpOptions) -> Step:
     from gpunode.toolkit import install as toolkit
-    from gpunode.toolkit.managers import DEFAULT_REPO_URL, package_version
+    from gpunode.toolkit.managers import package_version
 
     current = toolkit.status(host)
     wanted = package_version(opts.toolkit_version) if opts.toolkit_version else None
-    if toolkit.satisfied(current.installed, wanted):
-        return Step("toolkit", f"nvidia-container-toolkit {current.version} is installed", needed=False)
     install_opts = toolkit.InstallOptions(
         version=opts.toolkit_version,
-        repo_url=opts.repo_url or DEFAULT_REPO_URL,
+        # None: the repository the last install recorded (a mirror stays there), else NVIDIA's.
+        repo_url=opts.repo_url,
         key_file=opts.key_file,
         key_fingerprint=opts.key_fingerprint,
     )
+    satisfied = toolkit.satisfied(current.installed, wanted)
+    if satisfied and not current.drift:
+        return Step("toolkit", f"nvidia-container-toolkit {current.version} is installed", needed=False)
     plan = toolkit.plan_install(host, install_opts)
+    if plan.changes_nothing:
+        return Step("toolkit", f"nvidia-container-toolkit {current.version} is installed", needed=False)
     details = [f"write {f.file.path}" for f in plan.files if f.changed] + [f"run: {c}" for c in plan.commands]
+    details += [f"repair: {d}" for d in plan.drift] + [f"warning: {w}" for w in plan.warnings]
 
     def apply() -> str:
         toolkit.require_root(host, "up")
@@ -150,9 +155,14 @@ def _toolkit(host: Host, opts: UpOptions) -> Step:
             outcome = toolkit.apply_install(host, fresh, progress)
         return f"nvidia-container-toolkit {toolkit.consistent_version(outcome.installed)} installed"
 
+    summary = (
+        "repair the repository files of nvidia-container-toolkit (they drifted)"
+        if satisfied
+        else f"install nvidia-container-toolkit {wanted or '(newest)'} with {plan.manager.name}"
+    )
     return Step(
         "toolkit",
-        f"install nvidia-container-toolkit {wanted or '(newest)'} with {plan.manager.name}",
+        summary,
         needed=True,
         details=details,
         apply=apply,

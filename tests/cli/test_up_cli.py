@@ -271,3 +271,23 @@ def test_a_toolkit_installed_by_hand_is_kept(
     assert "[   done] toolkit: nvidia-container-toolkit 1.16.2-1 is installed" in out
     code, out, _ = up(node, api, capsys, "--dry-run", "--toolkit-version", "1.17.8")
     assert "[  to do] toolkit: install nvidia-container-toolkit 1.17.8-1 with apt" in out
+
+
+def test_up_repairs_repository_files_that_drifted(
+    node: Host, api: ApiServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A source that bypasses signatures added to gpunode's list after up: the toolkit step is to do again
+    (a repair, no package command), and up rewrites the list."""
+    code, _, err = up(node, api, capsys, "--yes")
+    assert code == ExitCode.OK, err
+    listing = node.path("/etc/apt/sources.list.d/nvidia-container-toolkit.list")
+    good = listing.read_text()
+    listing.write_text(good + "deb [trusted=yes] http://mirror.invalid/ /\n")
+    code, out, err = up(node, api, capsys, "--dry-run")
+    assert code == ExitCode.OK, err
+    assert "[  to do] toolkit: repair the repository files of nvidia-container-toolkit" in out
+    runner(node).calls.clear()
+    code, out, err = up(node, api, capsys, "--yes")
+    assert code == ExitCode.OK, err
+    assert listing.read_text() == good
+    assert not [c for c in runner(node).changes if "apt-get" in c[0] and "install" in c]
