@@ -32,6 +32,7 @@ from typing import Any
 from gpunode.errors import CommandFailed, ConfigError, NotFound
 from gpunode.host import Host
 from gpunode.runtimes import containerd as ctd
+from gpunode.runtimes import records
 from gpunode.runtimes.containerd_editor import SOCKETS, unit_for
 from gpunode.runtimes.edits import Edit, Editor, TomlFormat, new_toml_document
 from gpunode.runtimes.plan import ConfigureOptions, FileChange, RuntimePlan
@@ -182,6 +183,8 @@ def plan_k3s(host: Host, location: ctd.ConfigLocation, opts: ConfigureOptions) -
         (t for t in location.template_candidates if host.is_file(t) and not is_gpunodes(host.read_text(t))),
         None,
     )
+    if user_template is not None:
+        _refuse_frozen_copy(host, user_template, layout)
     use_dropin = layout.dropin_dir is not None and not _replaces_plugin_tables(layout, messages)
     if user_template is not None and not use_dropin:
         user_text = host.read_text(user_template)
@@ -243,6 +246,19 @@ def plan_k3s(host: Host, location: ctd.ConfigLocation, opts: ConfigureOptions) -
 
 def _release_text(layout: Layout) -> str:
     return "v" + ".".join(map(str, layout.release)) if layout.release else "(version unknown)"
+
+
+def _refuse_frozen_copy(host: Host, template: str, layout: Layout) -> None:
+    """Earlier gpunode releases created the template as a copy of config.toml: editing that copy again
+    would keep k3s's settings frozen. Its record says gpunode created it; --revert removes it."""
+    record = records.load(host).files.get(host.canonical(template))
+    if record is not None and record.original_sha256 is None:
+        raise ConfigError(
+            f"{template} is a copy of {layout.generated} that an earlier gpunode release made: it freezes "
+            f"{layout.flavour}'s own settings, so that upgrades and flag changes no longer reach containerd",
+            "run `gpunode configure-runtime containerd --revert` (it removes that copy), then this command "
+            f"again: gpunode now writes the layout this {layout.flavour} release reads",
+        )
 
 
 def _replaces_plugin_tables(layout: Layout, messages: list[str]) -> bool:

@@ -14,7 +14,7 @@ import pytest
 
 from gpunode.errors import ConfigError, NotFound
 from gpunode.host import Host, ScriptedRunner
-from gpunode.runtimes import containerd, k3s
+from gpunode.runtimes import containerd, k3s, records
 from gpunode.runtimes.configure import apply, plan_configure, plan_revert
 from gpunode.runtimes.plan import ConfigureOptions, RuntimePlan
 from tests import tomlread
@@ -366,3 +366,21 @@ def test_a_file_of_the_users_at_gpunodes_drop_in_path_is_refused(tmp_path: Path)
     with pytest.raises(ConfigError, match="not written by gpunode"):
         plan_configure(host, "containerd", ConfigureOptions())
     assert theirs.read_text() == "version = 3\n"
+
+
+def test_frozen_copy_made_by_an_earlier_gpunode_is_refused_and_reverted(tmp_path: Path) -> None:
+    # Earlier releases created config.toml.tmpl as a copy of config.toml (and recorded it as created):
+    # editing it again would keep k3s's settings frozen; --revert takes it away, then the new layout applies.
+    generated = fixture("v2-k3s-v1.28.toml")
+    host, _ = node(tmp_path, generated, K3S_1_28)
+    frozen = tmp_path / containerd.K3S_TEMPLATE.lstrip("/")
+    frozen.write_text(generated)
+    old = records.Records().updated("containerd", containerd.K3S_TEMPLATE, None, generated, (), owned=False)
+    records.save(host, records.Records({containerd.K3S_TEMPLATE: old}, set()))
+    with pytest.raises(ConfigError, match="earlier gpunode") as raised:
+        plan_configure(host, "containerd", ConfigureOptions())
+    assert "--revert" in (raised.value.fix or "")
+    revert(host)
+    assert not frozen.exists()
+    configure(host)
+    assert frozen.read_text().startswith(k3s.MARKER)
