@@ -391,7 +391,9 @@ def read_runtime_state(host: Host, runtime: str) -> RuntimeConfigState:
         return containerd.read_state(host)
     from gpunode.runtimes import crio
 
-    return crio.read_state(host)
+    # Where the crio program is here, CRI-O's own view decides (`crio status config` of the running CRI-O,
+    # else `crio config`): drop-in layouts, built-in defaults and handlers CRI-O ignored are its to judge.
+    return crio.read_state(host, effective=True)
 
 
 def check_runtimes(ctx: Context) -> Iterable[Finding]:
