@@ -401,7 +401,15 @@ def _template_entry(
     editor.set((*runtimes_path, opts.runtime_name), _new_entry(opts, reference))
     if reference:
         messages.append(f'the "{opts.runtime_name}" runtime copies the options of runc')
-    return render_template(flavour, opts.runtime_name, fmt.render(doc, None)), tuple(editor.edits)
+    tables = fmt.render(doc, None)
+    if "{{" in tables or "}}" in tables:
+        # k3s would execute it as a template action: a path or option must not become template code.
+        raise ConfigError(
+            f"the runtime's settings contain {{{{ or }}}} ({opts.runtime_path}), which k3s would read as "
+            "template code",
+            "give a --runtime-path without braces",
+        )
+    return render_template(flavour, opts.runtime_name, tables), tuple(editor.edits)
 
 
 def render_template(flavour: str, name: str, tables: str) -> str:

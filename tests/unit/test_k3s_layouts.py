@@ -384,3 +384,26 @@ def test_frozen_copy_made_by_an_earlier_gpunode_is_refused_and_reverted(tmp_path
     assert not frozen.exists()
     configure(host)
     assert frozen.read_text().startswith(k3s.MARKER)
+
+
+def test_template_code_in_the_runtime_path_is_refused(tmp_path: Path) -> None:
+    host, _ = node(tmp_path, fixture("v3-k3s-v1.32.toml"), K3S_1_32)
+    with pytest.raises(ConfigError, match="template code"):
+        plan_configure(host, "containerd", ConfigureOptions(runtime_path="/opt/{{.}}/x"))
+    assert not (tmp_path / containerd.K3S_TEMPLATE_V3.lstrip("/")).exists()
+
+
+def test_version_2_drop_in_directory_gets_a_version_2_drop_in(tmp_path: Path) -> None:
+    # A user's config.toml.tmpl on the v2 base: k3s then generates version 2 and imports config.toml.d.
+    generated = fixture("v2-k3s-v1.28.toml").replace(
+        "version = 2\n", f'version = 2\nimports = ["{containerd.K3S_DIR}/config.toml.d/*.toml"]\n', 1
+    )
+    host, _ = node(tmp_path, generated, K3S_1_35)
+    user = tmp_path / containerd.K3S_TEMPLATE.lstrip("/")
+    user.write_text('{{ template "base" . }}\n')
+    configure(host)
+    dropin = tmp_path / containerd.K3S_DIR.lstrip("/") / "config.toml.d" / k3s.DROPIN_NAME
+    doc = tomlread.loads(dropin.read_text())
+    assert doc["version"] == 2
+    assert dig(doc, *V2_CRI, "containerd", "runtimes", "nvidia", "options", "BinaryName") == NVIDIA
+    assert user.read_text() == '{{ template "base" . }}\n'
