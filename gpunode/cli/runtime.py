@@ -176,6 +176,8 @@ def _render_outcome(outcome: Outcome, restarted: bool, revert_hint: str) -> None
         typer.echo(f"removed {path}")
     for backup in outcome.backups:
         typer.echo(f"the original is kept in {backup}")
+    if outcome.verified:
+        typer.echo(f"verified: {outcome.verified}")
     if outcome.restarted:
         typer.echo(f"restarted {plan.unit}: {outcome.restarted}")
     elif outcome.restart_pending or (outcome.changed and not restarted):

@@ -388,7 +388,9 @@ def read_runtime_state(host: Host, runtime: str) -> RuntimeConfigState:
     if runtime == "containerd":
         from gpunode.runtimes import containerd
 
-        return containerd.read_state(host)
+        # Where containerd can be asked (the real root, the program installed), its `config dump` decides:
+        # imports, migration and keys it ignores are its to judge.
+        return containerd.read_state(host, effective=True)
     from gpunode.runtimes import crio
 
     # Where the crio program is here, CRI-O's own view decides (`crio status config` of the running CRI-O,

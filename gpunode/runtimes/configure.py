@@ -11,7 +11,14 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from gpunode.errors import CommandFailed, ConcurrentChange, GpunodeError, NotFound, UsageError
+from gpunode.errors import (
+    CommandFailed,
+    ConcurrentChange,
+    ConfigError,
+    GpunodeError,
+    NotFound,
+    UsageError,
+)
 from gpunode.host import Host
 from gpunode.kubelet import kubelet_runtime
 from gpunode.runtimes import containerd as ctd
@@ -218,6 +225,7 @@ class Outcome:
     backups: list[str] = field(default_factory=list)
     restarted: str | None = None  # what the restarted runtime said
     restart_pending: bool = False  # the runtime has not read what gpunode wrote yet
+    verified: str | None = None  # what the runtime's own view of the written files said
 
     @property
     def changed(self) -> bool:
@@ -230,12 +238,42 @@ def will_restart(host: Host, plan: RuntimePlan, restart: bool) -> bool:
     return restart and bool(plan.pending or plan.runtime in records.load(host).restart_pending)
 
 
+def verify_effective(host: Host, plan: RuntimePlan) -> str | None:
+    """Ask containerd itself (`config dump`) whether it reads the runtime as written; raise CommandFailed
+    when it does not. None when it cannot be asked (not the real root, no containerd program, k3s / RKE2 /
+    microk8s, which render their file at start, or nothing to expect)."""
+    if plan.runtime != "containerd" or plan.flavour not in ("", "containerd") or plan.expect is None:
+        return None
+    main = next((c.path for c in plan.changes if not c.owned), None)
+    if main is None:
+        return None
+    try:
+        dump = ctd.effective_config(host, main)
+    except ConfigError as exc:
+        raise CommandFailed(exc.message, exc.fix) from None
+    if dump is None:
+        return None
+    name, as_default = plan.expect
+    runtimes = ctd.configured_runtimes(dump.doc, dump.version)
+    default = ctd.default_runtime_name(dump.doc, dump.version)
+    if name not in runtimes or (as_default and default != name):
+        ignored = [w for w in dump.warnings if name in w]
+        raise CommandFailed(
+            f"containerd itself (`containerd --config {main} config dump`) does not read the {name!r} runtime"
+            + (" as its default" if name in runtimes else "")
+            + (f": {ignored[0]}" if ignored else ""),
+            "see the dump for what containerd reads; report the layout to gpunode's developers",
+        )
+    return f"containerd's own dump shows the {name!r} runtime" + (" as the default" if as_default else "")
+
+
 def apply(
     host: Host,
     plan: RuntimePlan,
     *,
     restart: bool,
     ready_timeout: float = service.READY_TIMEOUT,
+    verify: bool = True,
 ) -> Outcome:
     """Carry the plan out: backups and records first, then each file atomically, then restart + verify.
 
@@ -301,6 +339,9 @@ def apply(
                 # replaced the file. Rolling back a file that was not replaced is a no-op.
                 done.append(change)
                 _write(host, change, plan, first=change.path in fresh, outcome=outcome)
+        if verify and pending and not plan.revert:
+            # Before a restart: containerd must read what was written, or the files go back.
+            outcome.verified = verify_effective(host, plan)
         if do_restart:
             service.restart(host, plan)
             outcome.restarted = service.wait_until_ready(host, plan, timeout=ready_timeout)

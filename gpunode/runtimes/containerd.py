@@ -11,7 +11,7 @@ import fnmatch
 import posixpath
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import PurePosixPath
 from typing import Any
 
@@ -457,7 +457,77 @@ def cdi_enabled(doc: Mapping[str, Any], version: int, path: str | None = None) -
 # -- the state doctor reports -----------------------------------------------------------------------
 
 
-def read_state(host: Host, path: str | None = None) -> RuntimeConfigState:
+@dataclass(frozen=True)
+class Dump:
+    """containerd's own view of a configuration: `containerd --config FILE config dump`."""
+
+    doc: dict[str, Any]
+    version: int
+    warnings: tuple[str, ...]  # its "Ignoring unknown key" lines: keys the daemon will not read
+
+
+def effective_config(host: Host, path: str) -> Dump | None:
+    """Ask the installed containerd how it reads `path` (imports, defaults and migration included).
+
+    None where it cannot be asked: not the real root (the program would read this machine's files, not the
+    image's), no containerd program, or no file. A file containerd itself refuses raises ConfigError with
+    containerd's own words.
+    """
+    program = host.which("containerd")
+    if not host.is_real_root or program is None or not host.exists(path):
+        return None
+    result = host.run([program, "--config", path, "config", "dump"], timeout=30)
+    if not result.ok:
+        said = "\n".join((result.stderr or result.stdout).strip().splitlines()[-5:])
+        raise ConfigError(
+            f"containerd itself cannot read {path} (`containerd --config {path} config dump` exited "
+            f"{result.returncode}): {said}",
+            f"correct {path} as containerd says; containerd would not start with it",
+        )
+    doc = parse_toml(result.stdout, f"`containerd config dump` of {path}")
+    version = doc.get("version")
+    warnings = tuple(
+        line for line in result.stderr.splitlines() if "Ignoring unknown key" in line or "deprecated" in line
+    )
+    return Dump(doc, version if isinstance(version, int) else 2, warnings)
+
+
+def read_state(host: Host, path: str | None = None, *, effective: bool = False) -> RuntimeConfigState:
+    """The runtimes gpunode reads from the files. With `effective`, where containerd can be asked (see
+    effective_config), containerd's own dump decides, and a disagreement with the files is a problem."""
+    state = _read_files(host, path)
+    if not effective:
+        return state
+    try:
+        dump = effective_config(host, state.config_path)
+    except ConfigError as exc:
+        return replace(state, notes=(*state.notes, exc.message), problems=(*state.problems, exc.message))
+    if dump is None:
+        return state
+    runtimes = configured_runtimes(dump.doc, dump.version)
+    default = default_runtime_name(dump.doc, dump.version)
+    nvidia = find_nvidia_runtime(runtimes, dump.doc, dump.version, default)
+    notes = [*state.notes, "as containerd itself reads it (`containerd config dump`)"]
+    problems = list(state.problems)
+    if state.nvidia_runtime is not None and nvidia is None:
+        ignored = [w for w in dump.warnings if state.nvidia_runtime in w]
+        problems.append(
+            f"the files define the {state.nvidia_runtime!r} runtime, but containerd itself does not see it"
+            + (f" ({ignored[0]})" if ignored else "")
+        )
+    notes += [w for w in dump.warnings if "runtimes" in w]
+    return replace(
+        state,
+        runtimes=tuple(runtimes),
+        default_runtime=default,
+        nvidia_runtime=nvidia[0] if nvidia else None,
+        nvidia_binary=nvidia[1] if nvidia else None,
+        notes=tuple(dict.fromkeys([*notes, *problems])),
+        problems=tuple(problems),
+    )
+
+
+def _read_files(host: Host, path: str | None = None) -> RuntimeConfigState:
     notes: list[str] = []
     if path is None:
         path, location_note = detect_config_path(host)
