@@ -207,10 +207,17 @@ def plan_k3s(host: Host, location: ctd.ConfigLocation, opts: ConfigureOptions) -
 
     if use_dropin:
         assert layout.dropin_dir is not None  # noqa: S101 (use_dropin says so)
-        wanted = _dropin_content(
-            layout, opts, own=own, own_binary=own_binary, reference=reference, messages=messages
-        )
         path = posixpath.join(layout.dropin_dir, DROPIN_NAME)
+        wanted = _dropin_content(
+            layout,
+            opts,
+            path=path,
+            current=host.read_text_if_exists(path),
+            own=own,
+            own_binary=own_binary,
+            reference=reference,
+            messages=messages,
+        )
         change = _owned_change(host, path, wanted, layout, dropin=True)
     else:
         if is_gpunodes(host.read_text_if_exists(layout.template)):
@@ -295,15 +302,26 @@ def _dropin_content(
     layout: Layout,
     opts: ConfigureOptions,
     *,
+    path: str,
+    current: str | None,
     own: Mapping[str, Any] | None,
     own_binary: str | None,
     reference: Mapping[str, Any],
     messages: list[str],
 ) -> tuple[str, tuple[Edit, ...]] | None:
-    """The drop-in's text and edits; None when k3s's own configuration already has everything asked."""
+    """The drop-in's text and edits; None when nothing is to be added (k3s's own configuration, or
+    gpunode's drop-in from an earlier run, already has everything asked).
+
+    An earlier drop-in of gpunode's is added to, as a main file would be: a run without --set-as-default
+    does not take back the default an earlier run set (--revert does).
+    """
     fmt = TomlFormat()
-    doc = new_toml_document(DROPIN_HEADER.format(flavour=layout.flavour))
-    doc["version"] = layout.version  # containerd 2.x skips a drop-in of a newer version than the main file
+    if is_gpunodes(current):
+        assert current is not None  # noqa: S101 (is_gpunodes says so)
+        doc = fmt.parse(current, path)
+    else:
+        doc = new_toml_document(DROPIN_HEADER.format(flavour=layout.flavour))
+        doc["version"] = layout.version  # containerd 2.x skips a drop-in newer than the main file
     editor = Editor(fmt, doc)
     cri = ctd.cri_table_path(layout.version)
     entry_path = (*cri, "containerd", "runtimes", opts.runtime_name)
@@ -336,7 +354,7 @@ def _dropin_content(
         editor.set((*cri, "enable_cdi"), True)
     if not editor.edits:
         return None
-    return fmt.render(doc, None), tuple(editor.edits)
+    return fmt.render(doc, current), tuple(editor.edits)
 
 
 def _template_entry(

@@ -407,3 +407,19 @@ def test_version_2_drop_in_directory_gets_a_version_2_drop_in(tmp_path: Path) ->
     assert doc["version"] == 2
     assert dig(doc, *V2_CRI, "containerd", "runtimes", "nvidia", "options", "BinaryName") == NVIDIA
     assert user.read_text() == '{{ template "base" . }}\n'
+
+
+def test_drop_in_is_added_to_by_a_later_run(tmp_path: Path) -> None:
+    host, _ = node(tmp_path, fixture("v3-k3s-v1.35-dropin.toml"), K3S_1_35)
+    before = files_under(tmp_path)
+    configure(host, set_as_default=True)
+    dropin = tmp_path / DROPIN.lstrip("/")
+    first = dropin.read_text()
+    assert not plan_configure(host, "containerd", ConfigureOptions()).pending  # the default stays
+    configure(host, cdi=True)
+    doc = tomlread.loads(dropin.read_text())
+    assert dig(doc, *V3_CRI, "containerd", "default_runtime_name") == "nvidia"
+    assert dig(doc, *V3_CRI, "enable_cdi") is True
+    assert dropin.read_text().startswith(first.split("\n", 1)[0])
+    revert(host)  # however many runs added to it, the node is as it was
+    assert files_under(tmp_path) == before
