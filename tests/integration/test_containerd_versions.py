@@ -237,3 +237,72 @@ def test_a_version_1_file_is_still_configured_for_containerd_1_7(tmp_path: Path,
     assert runtimes["nvidia"]["options"]["BinaryName"] == NVIDIA
     assert runtimes["nvidia"]["options"]["SystemdCgroup"] is True
     start_and_check(daemon, config, short_base)
+
+
+NAMESPACE_CHILD = r"""
+import json, os, subprocess, sys
+
+for directory in ("/etc/containerd", "/var/lib"):
+    os.makedirs(directory, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "tmpfs", directory], check=True)
+real, scenario = sys.argv[1], sys.argv[2]
+original = 'version = 2\n[plugins."io.containerd.grpc.v1.cri".containerd]\n  default_runtime_name = "runc"\n'
+with open("/etc/containerd/config.toml", "w") as fh:
+    fh.write(original)
+with open("/etc/containerd/original.toml", "w") as fh:
+    fh.write(original)
+# A containerd that reads config.toml as if gpunode's change were not there ("ignored keys"): it dumps the
+# original file instead. Everything else is the real program.
+os.makedirs("/var/lib/fakebin")
+with open("/var/lib/fakebin/containerd", "w") as fh:
+    if scenario == "ignoring":
+        dump = f"exec {real} --config /etc/containerd/original.toml config dump"
+        fh.write(f'#!/bin/sh\nif [ "$3" = config ]; then {dump}; fi\nexec {real} "$@"\n')
+    else:
+        fh.write(f'#!/bin/sh\nexec {real} "$@"\n')
+os.chmod("/var/lib/fakebin/containerd", 0o755)
+os.environ["PATH"] = "/var/lib/fakebin:" + os.environ["PATH"]
+
+from gpunode.cli.main import main
+
+code = main(["configure-runtime", "containerd", "--set-as-default", "--no-restart"])
+config = open("/etc/containerd/config.toml").read()
+print("RESULT " + json.dumps({"code": code, "config": config, "original": original}))
+"""
+
+
+@pytest.mark.parametrize("scenario", ["real", "ignoring"])
+def test_configure_asks_containerd_itself_before_it_reports_success(scenario: str) -> None:
+    """On the real root (a private mount namespace: tmpfs over /etc/containerd and /var/lib),
+    configure-runtime asks `containerd config dump` whether containerd reads what was written. The real 1.6 does; one that
+    ignores the change makes gpunode put the file back and exit 8 instead of reporting success."""
+    import json
+    import sys
+
+    daemon = _containerd("1.6")
+    unshare = shutil.which("unshare")
+    if unshare is None or os.geteuid() != 0:
+        if os.environ.get("CI"):
+            pytest.fail("this test needs root and unshare (util-linux)")
+        pytest.skip("needs root and unshare")
+    argv = [unshare, "--mount", "--propagation", "private", sys.executable, "-c", NAMESPACE_CHILD]
+    done = subprocess.run(
+        [*argv, daemon.binary, scenario],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(
+        next(x for x in done.stdout.splitlines() if x.startswith("RESULT ")).removeprefix("RESULT ")
+    )
+    if scenario == "real":
+        assert result["code"] == ExitCode.OK, done.stderr
+        assert "verified: containerd's own dump shows the 'nvidia' runtime as the default" in done.stdout
+        assert 'default_runtime_name = "nvidia"' in result["config"]
+    else:
+        assert result["code"] == ExitCode.COMMAND_FAILED, done.stdout
+        assert "does not read the 'nvidia' runtime" in done.stderr
+        assert result["config"] == result["original"]
