@@ -274,8 +274,9 @@ print("RESULT " + json.dumps({"code": code, "config": config, "original": origin
 @pytest.mark.parametrize("scenario", ["real", "ignoring"])
 def test_configure_asks_containerd_itself_before_it_reports_success(scenario: str) -> None:
     """On the real root (a private mount namespace: tmpfs over /etc/containerd and /var/lib),
-    configure-runtime asks `containerd config dump` whether containerd reads what was written. The real 1.6 does; one that
-    ignores the change makes gpunode put the file back and exit 8 instead of reporting success."""
+    configure-runtime asks `containerd config dump` whether containerd reads what was written. The real
+    1.6 does; one that ignores the change makes gpunode put the file back and exit 8 instead of reporting
+    success."""
     import json
     import sys
 
