@@ -117,7 +117,7 @@ def read_state(
     """The configuration as the files say (merged as CRI-O merges them). With `effective`, and when the
     crio program is here, CRI-O's own view decides instead: the running CRI-O's (`crio status config`)
     when its socket answers, else `crio config` on the files; where it disagrees with the files, a note
-    says so."""
+    says so, and another when nvidia-container-runtime will not find the OCI runtime it wraps."""
     files: list[str] = []
     merged: dict[str, Any] = {}
     for file in ([path] if host.is_file(path) else []) + dropin_files(host, dropin_dir):
@@ -133,6 +133,13 @@ def read_state(
         if seen is not None:
             runtimes, default = seen.runtimes, seen.default
             nvidia = find_nvidia_runtime(runtimes, default)
+    if effective and nvidia is not None:  # about the binaries on this host, as doctor sees it
+        model = next((runtimes[n] for n in (default, "crun", "runc") if n in runtimes and n != nvidia[0]), {})
+        path_of_model = model.get("runtime_path")
+        low_level = low_level_runtime_note(
+            host, path_of_model if isinstance(path_of_model, str) and path_of_model else None
+        )
+        notes += [low_level] if low_level else []
     return RuntimeConfigState(
         runtime="crio",
         config_path=path,
@@ -409,6 +416,39 @@ def find_conmon(host: Host) -> str | None:
     if host.which("conmon") is not None:
         return None
     return next((p for p in CONMON_LOCATIONS if host.is_file(p)), None)
+
+
+NVIDIA_RUNTIME_CONFIG = "/etc/nvidia-container-runtime/config.toml"
+NVIDIA_LOW_LEVEL_DEFAULT = ("docker-runc", "runc", "crun")  # nvidia-container-runtime's built-in list
+
+
+def low_level_runtime_note(host: Host, model_path: str | None) -> str | None:
+    """A note when nvidia-container-runtime will not find the OCI runtime it wraps.
+
+    It does not take CRI-O's runtime_path of the runtime it replaces: it looks up the names in
+    `runtimes` of its own config.toml on $PATH. CRI-O's packages install crun and runc as
+    /usr/libexec/crio/crun or /usr/bin/crio-crun, off $PATH or under another name, and every container then
+    fails with "no runtime binary found from candidate list".
+    """
+    candidates: list[str] = list(NVIDIA_LOW_LEVEL_DEFAULT)
+    text = host.read_text_if_exists(NVIDIA_RUNTIME_CONFIG)
+    if text is not None:
+        try:
+            section = parse_toml(text, NVIDIA_RUNTIME_CONFIG).get("nvidia-container-runtime")
+        except ConfigError:
+            return None  # the toolkit's file: `gpunode doctor` and the toolkit judge it
+        listed = section.get("runtimes") if isinstance(section, Mapping) else None
+        if isinstance(listed, list) and all(isinstance(c, str) for c in listed):
+            candidates = listed
+    for candidate in candidates:
+        if host.is_file(candidate) if candidate.startswith("/") else host.which(candidate):
+            return None
+    fix = f'runtimes = ["{model_path}"]' if model_path else 'runtimes = ["/path/to/crun"]'
+    return (
+        f"nvidia-container-runtime looks for the OCI runtime it wraps as {', '.join(candidates)} on $PATH "
+        f'(`runtimes` in {NVIDIA_RUNTIME_CONFIG}) and finds none here: containers with it would fail ("no '
+        f'runtime binary found from candidate list"); set {fix} under [nvidia-container-runtime] there'
+    )
 
 
 # -- the configuration CRI-O computes itself ---------------------------------------------------------

@@ -82,6 +82,10 @@ def plan_crio(host: Host, opts: ConfigureOptions) -> RuntimePlan:
         editor.set((*entry_path, "monitor_path"), monitor["monitor_path"])
     if opts.set_as_default:
         editor.set(("crio", "runtime", "default_runtime"), opts.runtime_name)
+    model = _reference(runtimes, default, opts.runtime_name)[0].get("runtime_path")
+    low_level = crio.low_level_runtime_note(host, model if isinstance(model, str) and model else None)
+    if low_level:
+        messages.append(low_level)
     if opts.cdi:
         messages.append("CRI-O always has CDI enabled; --cdi changes nothing for it")
     after = fmt.render(doc, text) if editor.edits else text

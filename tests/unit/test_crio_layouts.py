@@ -214,6 +214,26 @@ def test_a_result_crio_refuses_is_not_written(tmp_path: Path) -> None:
     assert not (tmp_path / DROPIN.lstrip("/")).exists()
 
 
+def test_nvidia_container_runtime_without_a_runtime_to_wrap_is_noted(tmp_path: Path) -> None:
+    """CRI-O's packages keep crun and runc in /usr/libexec/crio: nvidia-container-runtime, which looks up
+    runc or crun on $PATH, would find neither. The note names the fix; once its config.toml lists the
+    binary, the note is gone."""
+    install_layout(tmp_path, "pod-conmonrs")
+    put(tmp_path, "/usr/libexec/crio/crun", "#!/bin/sh\n", mode=0o755)
+    host = Host(root=tmp_path, runner=ScriptedRunner(), env={"PATH": "/usr/bin"})
+    plan = plan_configure(host, "crio", ConfigureOptions())
+    note = next(m for m in plan.messages if m.startswith("nvidia-container-runtime looks for"))
+    assert "docker-runc, runc, crun on $PATH" in note
+    assert 'set runtimes = ["/usr/libexec/crio/crun"] under [nvidia-container-runtime]' in note
+    put(
+        tmp_path,
+        "/etc/nvidia-container-runtime/config.toml",
+        '[nvidia-container-runtime]\nmode = "auto"\nruntimes = ["/usr/libexec/crio/crun"]\n',
+    )
+    plan = plan_configure(host, "crio", ConfigureOptions())
+    assert not any(m.startswith("nvidia-container-runtime looks for") for m in plan.messages)
+
+
 # -- CRI-O's rules ------------------------------------------------------------------------------------
 
 
@@ -394,6 +414,25 @@ def test_effective_needs_the_crio_program(tmp_path: Path) -> None:
     assert caught.value.fix is not None and "leave out --effective" in caught.value.fix
 
 
+def test_effective_through_the_cli_dry_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from gpunode.cli.main import main
+    from gpunode.errors import ExitCode
+
+    fake = FakeCrio([crio_config_output("pod-conmonrs"), crio_config_output("pod-conmonrs-nvidia")])
+    host = crio_node(tmp_path, fake)
+    code = main(["configure-runtime", "crio", "--set-as-default", "--effective", "--dry-run"], host=host)
+    out = capsys.readouterr().out
+    assert code == ExitCode.OK
+    assert "+++ b/etc/crio/crio.conf.d/99-nvidia.toml" in out and '+runtime_type = "pod"' in out
+    assert "note: `crio config` on the planned files: runtimes crun, nvidia, runc; default nvidia" in out
+    assert not (tmp_path / DROPIN.lstrip("/")).exists() and len(fake.calls) == 2
+    fake.calls.clear()
+    (tmp_path / "usr/bin/crio").unlink()
+    code = main(["configure-runtime", "crio", "--effective", "--dry-run"], host=host)
+    assert code == ExitCode.NOT_FOUND and fake.calls == []
+    assert "crio program is not installed" in capsys.readouterr().err
+
+
 # -- doctor ---------------------------------------------------------------------------------------------
 
 
@@ -423,6 +462,8 @@ def test_doctor_shows_what_the_running_crio_uses(tmp_path: Path) -> None:
         "/usr/bin/nvidia-container-runtime (runtime_type pod, monitor /usr/libexec/crio/conmonrs)"
     ) in state.notes
     assert runner.calls[0][:2] == ("/usr/bin/crio", "status")
+    # crun and runc only in /usr/libexec/crio: nvidia-container-runtime would find neither.
+    assert any('runtimes = ["/usr/libexec/crio/crun"]' in n for n in state.notes)
 
 
 def test_doctor_fails_when_the_running_crio_lacks_the_runtime_its_files_define(tmp_path: Path) -> None:
