@@ -74,12 +74,14 @@ class PipedPlugin(PluginProcess):
                 self.output += os.read(self.read_end, 65536)
 
     def fill(self) -> None:
-        """Fill the pipe to the brim: from now on every write the plugin makes to it blocks."""
-        while True:
-            try:
-                os.write(self.filler, b"~" * 512)
-            except BlockingIOError:
-                return
+        """Fill the pipe to the brim: from now on every write the plugin makes to it blocks. (A write of
+        up to a page is all or nothing, so smaller and smaller ones take the last bytes.)"""
+        for size in (512, 64, 8, 1):
+            while True:
+                try:
+                    os.write(self.filler, b"~" * size)
+                except BlockingIOError:
+                    break
 
     def drain(self) -> None:
         """Read everything until the last writer is gone (the plugin exited)."""
