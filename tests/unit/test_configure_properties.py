@@ -867,7 +867,7 @@ def test_docker_configure_properties(case: DockerCase) -> None:
             owned.append(("features", "cdi"))
         assert_kept(before, after, owned)
         if name not in before.get("runtimes", {}):
-            assert after["runtimes"][name] == {"path": opts.runtime_path, "args": []}
+            assert after["runtimes"][name] == {"path": opts.runtime_path}
         # The file's own layout is kept: one line stays one line, an indented file keeps its indent.
         if case.text and case.text.strip() and "\n" not in case.text.strip():
             assert "\n" not in output.strip()

@@ -98,7 +98,8 @@ def test_stock_default_config_gets_a_runc_copy_with_systemd_cgroup(tmp_path: Pat
     assert nvidia["runtime_type"] == "io.containerd.runc.v2"
     assert nvidia["options"] == {**runc["options"], "BinaryName": NVIDIA}
     assert nvidia["options"]["SystemdCgroup"] is True
-    # Every key but the v1 shim's own (runtime_engine, runtime_root: refused on runc v2 by 1.x, unknown to 2.x).
+    # Every key but the v1 shim's own (runtime_engine, runtime_root: refused on runc v2 by 1.x,
+    # unknown to 2.x).
     v1_only = ("options", "runtime_engine", "runtime_root")
     assert {k: v for k, v in nvidia.items() if k != "options"} == {
         k: v for k, v in runc.items() if k not in v1_only
@@ -380,7 +381,7 @@ def test_docker_missing_file_is_created(tmp_path: Path) -> None:
     configure(host, "docker", set_as_default=True)
     text = (tmp_path / "etc/docker/daemon.json").read_text()
     assert json.loads(text) == {
-        "runtimes": {"nvidia": {"path": NVIDIA, "args": []}},
+        "runtimes": {"nvidia": {"path": NVIDIA}},
         "default-runtime": "nvidia",
     }
     assert text.startswith('{\n    "runtimes"') and text.endswith("}\n")
@@ -390,7 +391,7 @@ def test_docker_empty_file_becomes_valid(tmp_path: Path) -> None:
     path = put(tmp_path, "/etc/docker/daemon.json", "")
     host, _ = make_host(tmp_path)
     plan = configure(host, "docker")
-    assert json.loads(path.read_text()) == {"runtimes": {"nvidia": {"path": NVIDIA, "args": []}}}
+    assert json.loads(path.read_text()) == {"runtimes": {"nvidia": {"path": NVIDIA}}}
     assert any("empty" in m for m in plan.messages)
 
 
