@@ -263,7 +263,9 @@ class JsonFormat:
         return parse_daemon_json(text, path)
 
     def render(self, doc: MutableMapping[str, Any], original: str | None) -> str:
-        return json.dumps(doc, indent=json_indent(original), ensure_ascii=False) + "\n"
+        # A BOM the file had stays (only a dockerd that reads it ever got such a file from gpunode).
+        bom = "\ufeff" if (original or "").startswith("\ufeff") else ""
+        return bom + json.dumps(doc, indent=json_indent(original), ensure_ascii=False) + "\n"
 
     def set(self, doc: MutableMapping[str, Any], path: Sequence[str], value: Any) -> None:
         _parents(doc, path[:-1], dict)[path[-1]] = value

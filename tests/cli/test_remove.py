@@ -111,3 +111,18 @@ def test_nothing_to_remove_is_exit_6_and_remove_excludes_revert(
     assert cli(tmp_path, "docker", "--remove") == ExitCode.NOT_FOUND
     assert "defines a runtime named 'nvidia'" in capsys.readouterr().err
     assert cli(tmp_path, "docker", "--remove", "--revert") == ExitCode.USAGE
+
+
+def test_a_partial_revert_keeps_a_bom_that_dockerd_reads(tmp_path: Path) -> None:
+    """daemon.json with a UTF-8 BOM (dockerd 23+ reads it), edited after gpunode wrote it: the revert that
+    removes only gpunode's keys keeps the BOM, as it keeps the rest of the operator's file."""
+    path = put(tmp_path, "/etc/docker/daemon.json", '\ufeff{"log-driver": "journald"}\n')
+    runner = ScriptedRunner()
+    runner.answer(["dockerd", "--version"], "Docker version 28.5.2+dfsg4, build 3ef3c07\n")
+    host = Host(root=tmp_path, runner=runner)
+    assert main(["configure-runtime", "docker", "--no-restart"], host=host) == ExitCode.OK
+    edited = path.read_text().replace('"journald"', '"local"')
+    path.write_text(edited)
+    assert main(["configure-runtime", "docker", "--revert", "--no-restart"], host=host) == ExitCode.OK
+    text = path.read_text()
+    assert text.startswith("\ufeff") and json.loads(text[1:]) == {"log-driver": "local"}
