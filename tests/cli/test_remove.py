@@ -117,6 +117,7 @@ def test_a_partial_revert_keeps_a_bom_that_dockerd_reads(tmp_path: Path) -> None
     """daemon.json with a UTF-8 BOM (dockerd 23+ reads it), edited after gpunode wrote it: the revert that
     removes only gpunode's keys keeps the BOM, as it keeps the rest of the operator's file."""
     path = put(tmp_path, "/etc/docker/daemon.json", '\ufeff{"log-driver": "journald"}\n')
+    put(tmp_path, "/usr/sbin/dockerd", "#!/bin/sh\n").chmod(0o755)  # the node's dockerd, answered below
     runner = ScriptedRunner()
     runner.answer(["dockerd", "--version"], "Docker version 28.5.2+dfsg4, build 3ef3c07\n")
     host = Host(root=tmp_path, runner=runner)
