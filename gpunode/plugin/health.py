@@ -460,7 +460,7 @@ class HealthMonitor:
                 wanted = supported & WATCHED_EVENTS
                 if wanted:
                     step = "registering its Xid/ECC events"
-                    nvml.nvmlDeviceRegisterEvents(handle, wanted, self._event_set)
+                    wanted = self._register_events(handle, wanted)
                 else:
                     unmonitored = "it supports no Xid or double-bit ECC events"
         except nvml.NVMLError as exc:
@@ -478,6 +478,20 @@ class HealthMonitor:
         if wanted and wanted != WATCHED_EVENTS:
             self._log.info("%s supports only %s events", watched.label, _event_names(wanted))
         return None
+
+    def _register_events(self, handle: Any, wanted: int) -> int:
+        """Register `wanted` on the current set; the events registered (NVMLError if none could be)."""
+        nvml = self._nvml
+        try:
+            nvml.nvmlDeviceRegisterEvents(handle, wanted, self._event_set)
+        except nvml.NVMLError as exc:
+            if _code(exc) not in CANNOT_MONITOR or wanted == EVENT_XID or not wanted & EVENT_XID:
+                raise
+            # A GPU without ECC refuses the ECC event, and a driver may refuse the pair where it takes
+            # Xids alone: those are the events that matter most.
+            nvml.nvmlDeviceRegisterEvents(handle, EVENT_XID, self._event_set)
+            return EVENT_XID
+        return wanted
 
     def _lookup(self, uuid: str, index: int | None) -> Any:
         """The device's NVML handle by UUID; where NVML has no UUID lookup, by index with the UUID checked.

@@ -571,3 +571,25 @@ def test_a_gpu_without_events_is_reported_unmonitored_and_the_others_still_count
     node.inject("ecc 1")
     assert until(lambda: Unit(1) in node.unhealthy())
     assert set(node.unhealthy()) == {Unit(1)}
+
+
+def test_a_gpu_refusing_the_ecc_event_is_still_watched_for_xids(
+    make_node: Callable[..., Node], monkeypatch: pytest.MonkeyPatch, logs: pytest.LogCaptureFixture
+) -> None:
+    import pynvml
+
+    real = pynvml.nvmlDeviceRegisterEvents
+
+    def no_ecc(handle: object, events: int, event_set: object) -> None:
+        if events & pynvml.nvmlEventTypeDoubleBitEccError:  # a GPU without ECC, say
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        real(handle, events, event_set)
+
+    monkeypatch.setattr(pynvml, "nvmlDeviceRegisterEvents", no_ecc)
+    node = make_node(replicas=1)
+    node.armed()
+    assert node.registry.unmonitored() == {}
+    assert "events registered on 4 of 4 GPU(s)" in logs.text
+    assert f"GPU 0 ({node.uuid(0)}) supports only Xid events" in logs.text
+    node.inject("xid 2 79")
+    assert until(lambda: Unit(2) in node.unhealthy())
