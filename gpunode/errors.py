@@ -32,6 +32,9 @@ class GpunodeError(Exception):
     """An error the user can act on: what went wrong, and the fix."""
 
     exit_code: ExitCode = ExitCode.ERROR
+    # True when the host was left changed by the failing command (a rollback that could not finish): the
+    # `changed` of its --json error document.
+    changed: bool = False
 
     def __init__(self, message: str, fix: str | None = None, *, exit_code: ExitCode | None = None) -> None:
         super().__init__(message)

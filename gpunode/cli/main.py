@@ -84,6 +84,9 @@ _register_commands()
 
 
 def _print_error(err: GpunodeError) -> None:
+    from gpunode import jsonout
+
+    jsonout.fail(err)  # the command's --json document, when it asked for one
     sys.stderr.write(f"gpunode: error: {err.message}\n")
     if err.fix:
         sys.stderr.write(f"  fix: {err.fix}\n")
@@ -92,6 +95,9 @@ def _print_error(err: GpunodeError) -> None:
 def main(argv: list[str] | None = None, host: Host | None = None) -> int:
     """Run the CLI; every outcome ends here as an exit code from ExitCode."""
     _overrides.clear()
+    from gpunode import jsonout
+
+    jsonout.reset()  # a JSON request belongs to one run (tests call main() many times in one process)
     if host is not None:
         _overrides["host"] = host
     args = sys.argv[1:] if argv is None else argv

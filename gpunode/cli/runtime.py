@@ -74,6 +74,12 @@ def configure_runtime(
     yes: bool = typer.Option(
         False, "--yes", "-y", help="Restart the runtime without asking (unattended use)."
     ),
+    as_json: bool = typer.Option(
+        False,
+        "--json",
+        help="Print one JSON document (schema gpunode.configure-runtime/v1): the plan with --dry-run, the "
+        "result otherwise; a restart then needs --yes.",
+    ),
 ) -> None:
     """Add the NVIDIA runtime to docker, containerd or CRI-O: atomically, with a backup and a way back.
 
@@ -84,6 +90,10 @@ def configure_runtime(
     from gpunode.runtimes.plan import ConfigureOptions
 
     host = state(ctx).host
+    if as_json:
+        from gpunode import jsonout
+
+        jsonout.request("configure-runtime", dry_run=dry_run)
     if revert and (set_as_default or cdi):
         raise UsageError("--revert undoes what gpunode did; it takes no --set-as-default or --cdi")
     if remove and (revert or set_as_default or cdi or drop_in or in_place):
@@ -103,29 +113,87 @@ def configure_runtime(
         effective=effective,
     )
     chosen, why = configure.choose_runtime(host, runtime)
-    if why:
+    if why and not as_json:
         typer.echo(why)
+    hint = ["gpunode"] + ([f"--root {host.root}"] if not host.is_real_root else [])
+    hint += ["configure-runtime", chosen, "--revert"]  # the record is per runtime: no file needed
     if dry_run:
         plan = _planner(configure, revert=revert, remove=remove)(host, chosen, opts)
         do_restart = restart if restart is not None else host.is_real_root and plan.standard_location
+        restarts = configure.will_restart(host, plan, do_restart)
+        if as_json:
+            _emit_json(host, plan, None, restarts=restarts, dry_run=True, why=why, undo=None)
+            return
         _render_plan(plan, dry_run=True)
-        if configure.will_restart(host, plan, do_restart):
+        if restarts:
             _render_restart(host, plan, dry_run=True)
         return
     with host.lock(records.LOCK):
         plan = _planner(configure, revert=revert, remove=remove)(host, chosen, opts)
         do_restart = restart if restart is not None else host.is_real_root and plan.standard_location
-        _render_plan(plan, dry_run=False)
-        if configure.will_restart(host, plan, do_restart):
+        restarts = configure.will_restart(host, plan, do_restart)
+        if not as_json:
+            _render_plan(plan, dry_run=False)
+        if restarts:
             from gpunode.cli.common import confirm
             from gpunode.runtimes import service
 
-            _render_restart(host, plan, dry_run=False)
+            if as_json and not yes:
+                raise UsageError(
+                    f"restarting {plan.runtime} needs a confirmation, which --json cannot ask for",
+                    "add --yes (or --no-restart)",
+                )
+            if not as_json:
+                _render_restart(host, plan, dry_run=False)
             confirm(yes, f"restarting {plan.runtime}", service.disruption(host, plan))
         outcome = configure.apply(host, plan, restart=do_restart)
-    hint = ["gpunode"] + ([f"--root {host.root}"] if not host.is_real_root else [])
-    hint += ["configure-runtime", plan.runtime, "--revert"]  # the record is per runtime: no file needed
+    if as_json:
+        undo = " ".join(hint) if outcome.changed and not plan.revert else None
+        _emit_json(host, plan, outcome, restarts=restarts, dry_run=False, why=why, undo=undo)
+        return
     _render_outcome(outcome, do_restart, " ".join(hint))
+
+
+def _emit_json(
+    host: Host,
+    plan: RuntimePlan,
+    outcome: Outcome | None,
+    *,
+    restarts: bool,
+    dry_run: bool,
+    why: str | None,
+    undo: str | None,
+) -> None:
+    from gpunode import jsonout
+    from gpunode.runtimes import service
+
+    files = [
+        {
+            "path": c.path,
+            "action": "unchanged" if not c.changed else "remove" if c.after is None else "write",
+            "diff": c.diff() if c.changed else "",
+        }
+        for c in plan.changes
+    ]
+    commands = service.restart_commands(host, plan) if restarts else []
+    doc = jsonout.document(
+        "configure-runtime",
+        changed=bool(outcome and outcome.changed) or bool(outcome and outcome.restarted),
+        dry_run=dry_run,
+        runtime=plan.runtime,
+        operation="revert" if plan.revert else "remove" if plan.expect is None else "configure",
+        chosen_because=why,
+        files=files,
+        commands=commands,
+        restart=service.disruption(host, plan) if restarts else None,
+        messages=list(plan.messages),
+        backups=outcome.backups if outcome else [],
+        verified=outcome.verified if outcome else None,
+        restarted=outcome.restarted if outcome else None,
+        restart_pending=outcome.restart_pending if outcome else None,
+        undo=undo,
+    )
+    jsonout.emit(doc)
 
 
 def _planner(configure: ModuleType, *, revert: bool, remove: bool) -> Callable[..., RuntimePlan]:

@@ -357,6 +357,7 @@ def apply(
                 restored += f" Restarting {plan.unit} with it failed too: {again.message}"
         if isinstance(exc, GpunodeError):
             exc.message += f"\n{restored}"
+            exc.changed = "could not put back" in restored  # what --json reports as changed
             raise
         raise CommandFailed(f"writing the configuration failed: {exc}\n{restored}") from exc
     if do_restart:
