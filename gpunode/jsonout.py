@@ -32,6 +32,12 @@ def request(command: str, **known: Any) -> None:
     _requested[:] = [(schema(command), dict(known))]
 
 
+def update(**fields: Any) -> None:
+    """More of what the error document would carry (e.g. the steps done before a failure)."""
+    if _requested:
+        _requested[0][1].update(fields)
+
+
 def requested() -> bool:
     return bool(_requested)
 

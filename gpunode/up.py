@@ -298,6 +298,7 @@ def run_steps(steps: list[Step], on_step: Callable[[int, int, Step], None]) -> l
         try:
             results.append((step, step.apply()))
         except GpunodeError as exc:
+            exc.changed = exc.changed or bool(results)  # the steps before it stay done
             exc.message = f"step {step.name} failed: {exc.message}"
             if n < len(needed):
                 exc.message += f"\nnot done: {', '.join(s.name for s in needed[n:])}"

@@ -21,6 +21,11 @@ def down(
     ),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan; change nothing."),
     yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation (unattended use)."),
+    as_json: bool = typer.Option(
+        False,
+        "--json",
+        help="Print one JSON document (schema gpunode.down/v1): the plan, then each step's result.",
+    ),
     kubeconfig: Optional[str] = _KUBE["kubeconfig"],  # noqa: UP045
     context: Optional[str] = _KUBE["context"],  # noqa: UP045
     server: Optional[str] = _KUBE["server"],  # noqa: UP045
@@ -32,11 +37,12 @@ def down(
     undo), 1 when the confirmation is declined, 2 on bad usage or no terminal without --yes; a failed step
     exits with its own code (see `gpunode --help`).
     """
-    from gpunode.cli.common import confirm, refuse_foreign_root
+    from dataclasses import replace
+
+    from gpunode.cli.common import refuse_foreign_root
     from gpunode.cli.main import state
-    from gpunode.cli.up import print_plan
+    from gpunode.cli.up import run_plan
     from gpunode.down import DownOptions, plan_down
-    from gpunode.up import Step, run_steps
 
     host = state(ctx).host
     refuse_foreign_root(host, dry_run)
@@ -48,24 +54,17 @@ def down(
         server=server,
         on_output=lambda line: typer.echo(f"    | {line}"),
     )
-    steps = plan_down(host, opts)
-    print_plan(steps, verbose=dry_run)
-    blocked = next((s for s in steps if s.blocked and s.error is not None), None)
-    if blocked is not None and blocked.error is not None:
-        blocked.error.message = f"step {blocked.name}: {blocked.error.message}; gpunode down changed nothing"
-        raise blocked.error
-    if not any(s.needed for s in steps):
-        typer.echo("nothing of gpunode's is left to undo")
-        return
-    if dry_run:
-        typer.echo("dry run: nothing was changed")
-        return
-    warnings = [w for s in steps if s.needed for w in s.warnings]
-    confirm(yes, "down", "; ".join(warnings) or None)
+    if as_json:
+        from gpunode import jsonout
 
-    def on_step(n: int, total: int, step: Step) -> None:
-        typer.echo(f"==> [{n}/{total}] {step.name}: {step.summary}")
-
-    for step, result in run_steps(steps, on_step):
-        typer.echo(f"    {step.name}: {result}")
-    typer.echo("gpunode's changes are undone; `gpunode doctor` shows the node as it is now")
+        jsonout.request("down", dry_run=dry_run)
+        opts = replace(opts, on_output=None)
+    run_plan(
+        "down",
+        plan_down(host, opts),
+        dry_run=dry_run,
+        yes=yes,
+        as_json=as_json,
+        nothing="nothing of gpunode's is left to undo",
+        finished="gpunode's changes are undone; `gpunode doctor` shows the node as it is now",
+    )

@@ -243,7 +243,8 @@ def test_preflight_stops_before_anything_changes(
     assert code == ExitCode.UNHEALTHY
     assert "[blocked] preflight:" in out
     assert (
-        "gpunode: error: preflight: the nvidia kernel module is not loaded; gpunode up changed nothing" in err
+        "gpunode: error: step preflight: the nvidia kernel module is not loaded; gpunode up changed nothing"
+        in err
     )
     assert runner(node).changes == []
     assert all(r.method == "GET" for r in api.requests)

@@ -1,0 +1,126 @@
+"""The --json contract: every command that reports or changes something prints one document that validates
+against the schema gpunode ships (gpunode/schemas), with a truthful `changed`, on success, on a dry run and
+on failure (issue 15)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+
+from gpunode import schemas
+from gpunode.cli.main import main
+from gpunode.errors import ExitCode
+from gpunode.host import Host, ScriptedRunner
+from tests.cli.test_up_cli import KEY, KEY_FPR, NODE, fresh_node
+from tests.kubeapi.apiserver import ApiServer
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+CONTAINERD_1_6 = "containerd github.com/containerd/containerd 1.6.20~ds1 1.6.20~ds1-1+deb12u3\n"
+
+
+def run_json(
+    command: str, argv: list[str], host: Host, capsys: pytest.CaptureFixture[str]
+) -> tuple[int, dict[str, Any]]:
+    code = main(argv, host=host)
+    out = capsys.readouterr().out
+    doc = json.loads(out)  # the whole of stdout is one document
+    jsonschema.validate(doc, schemas.load(command))
+    assert doc["schema"] == f"gpunode.{command}/v1"
+    if code == ExitCode.OK:
+        assert doc["error"] is None
+    else:
+        assert doc["error"]["exit_code"] == code
+    return code, doc
+
+
+def node(root: Path) -> Host:
+    runner = ScriptedRunner()
+    runner.answer(["containerd", "--version"], CONTAINERD_1_6)
+    return Host(root=root, runner=runner)
+
+
+def test_configure_runtime(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "etc/containerd/config.toml"
+    config.parent.mkdir(parents=True)
+    config.write_text((FIXTURES / "containerd/default-v2.toml").read_text())
+    base = ["configure-runtime", "containerd", "--set-as-default", "--json"]
+    code, plan = run_json("configure-runtime", [*base, "--dry-run"], node(tmp_path), capsys)
+    assert code == 0 and plan["dry_run"] and not plan["changed"]
+    assert (
+        plan["files"][0]["action"] == "write"
+        and '+      default_runtime_name = "nvidia"' in plan["files"][0]["diff"]
+    )
+    code, done = run_json("configure-runtime", [*base, "--no-restart"], node(tmp_path), capsys)
+    assert code == 0 and done["changed"] and done["backups"] and done["undo"].endswith("--revert")
+    code, again = run_json("configure-runtime", [*base, "--no-restart"], node(tmp_path), capsys)
+    assert code == 0 and not again["changed"] and again["files"][0]["action"] == "unchanged"
+    code, back = run_json(
+        "configure-runtime",
+        ["configure-runtime", "containerd", "--revert", "--no-restart", "--json"],
+        node(tmp_path),
+        capsys,
+    )
+    assert code == 0 and back["changed"] and back["operation"] == "revert"
+    code, failed = run_json(
+        "configure-runtime",
+        ["configure-runtime", "containerd", "--revert", "--no-restart", "--json"],
+        node(tmp_path),
+        capsys,
+    )
+    assert (
+        code == ExitCode.NOT_FOUND
+        and not failed["changed"]
+        and "nothing to revert" in failed["error"]["message"]
+    )
+    # A restart needs a confirmation --json cannot ask for.
+    code, refused = run_json("configure-runtime", [*base, "--restart"], node(tmp_path), capsys)
+    assert code == ExitCode.USAGE and "--yes" in refused["error"]["fix"]
+
+
+@pytest.fixture
+def api() -> Iterator[ApiServer]:
+    with ApiServer(allow=[("admin", "*", "*")]) as server:
+        server.add_node(NODE)
+        yield server
+
+
+@pytest.fixture
+def gpu_node(tmp_path: Path, fake_nvml: Callable[..., None]) -> Host:
+    fake_nvml(profile="dgx-a100")
+    return fresh_node(tmp_path / "root")
+
+
+def test_up_and_down(gpu_node: Host, api: ApiServer, capsys: pytest.CaptureFixture[str]) -> None:
+    up = ["up", "--key-file", str(KEY), "--key-fingerprint", KEY_FPR, "--server", api.url, "--json"]
+    code, plan = run_json("up", [*up, "--dry-run"], gpu_node, capsys)
+    assert code == 0 and not plan["changed"]
+    assert [s["status"] for s in plan["steps"]] == ["done", "to do", "to do", "to do", "to do"]
+    code, refused = run_json("up", up, gpu_node, capsys)
+    assert code == ExitCode.USAGE and not refused["changed"]
+    code, done = run_json("up", [*up, "--yes"], gpu_node, capsys)
+    assert code == 0 and done["changed"]
+    assert [s["status"] for s in done["steps"]] == ["done", "done now", "done now", "done now", "done now"]
+    code, again = run_json("up", [*up, "--yes"], gpu_node, capsys)
+    assert code == 0 and not again["changed"]
+
+    down = ["down", "--server", api.url, "--json"]
+    code, plan = run_json("down", [*down, "--dry-run"], gpu_node, capsys)
+    assert code == 0 and not plan["changed"]
+    assert [s["name"] for s in plan["steps"]] == ["plugin", "node", "runtime", "toolkit"]
+    code, done = run_json("down", [*down, "--yes"], gpu_node, capsys)
+    assert code == 0 and done["changed"]
+    code, again = run_json("down", [*down, "--yes"], gpu_node, capsys)
+    assert code == 0 and not again["changed"]
+
+
+def test_every_schema_file_is_a_valid_json_schema() -> None:
+    directory = Path(schemas.__file__).parent
+    names = sorted(p.name.removesuffix(".v1.json") for p in directory.glob("*.v1.json"))
+    assert names, "no schemas shipped"
+    for name in names:
+        jsonschema.Draft202012Validator.check_schema(schemas.load(name))
