@@ -14,7 +14,7 @@ from gpunode.cli.main import main
 from gpunode.errors import ExitCode
 from gpunode.host import Host, ScriptedRunner
 from gpunode.runtimes import containerd as ctd
-from tests import tomlread
+from tests import testbed, tomlread
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 CONTAINERD_1_6 = "containerd github.com/containerd/containerd 1.6.20~ds1 1.6.20~ds1-1+deb12u3\n"
@@ -63,8 +63,7 @@ def test_containerd_remove_puts_runc_back_as_default(tmp_path: Path) -> None:
     assert containerd_table["default_runtime_name"] == "runc"
     assert "nvidia" not in containerd_table["runtimes"]
     assert "# nvidia is the default so that GPU pods need no runtimeClassName" in path.read_text()
-    binary = shutil.which("containerd")
-    assert binary is not None, "containerd (Debian package) is a test dependency"
+    binary = testbed.binary("containerd-1.6")
     dumped = subprocess.run(
         [binary, "--config", str(path), "config", "dump"],
         capture_output=True,

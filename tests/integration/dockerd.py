@@ -1,8 +1,11 @@
 """Run a real dockerd on a daemon.json, fully private, for the integration tests.
 
-The dockerd is Debian's docker.io (20.10) unless a test names another binary: the dockerd 26 and 28 that
-tests/testbed.py unpacks (`testbed.binary("dockerd-28")`). Those ship without a client; every version is
-asked through bookworm's `docker` (20.10), which negotiates the API version with the daemon.
+Every program here comes from the test bed (tests/testbed.py: Debian packages unpacked into .testbed/,
+never installed), never from the host: the dockerd is bookworm's docker.io (20.10) unless a test names
+another binary, such as the test bed's dockerd 26 and 28 (`testbed.binary("dockerd-28")`). Those ship
+without a client; every version is asked through bookworm's `docker` (20.10), which negotiates the API
+version with the daemon. The private containerd is bookworm's 1.6, and the daemons run with a PATH on which
+the test bed's runc, containerd shim, docker-init and docker-proxy come first.
 
 Everything the daemon writes lives under one short temp dir (unix socket paths are limited to 108 bytes):
 its data and exec roots, its socket, its pid file, its log and a containerd of its own. dockerd is always
@@ -26,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pytest
+from tests import testbed
 
 # The machine is shared and noisy: dockerd is usually ready in about a second, but give it room.
 READY_TIMEOUT = 30.0
@@ -38,8 +41,9 @@ POLL = 0.05
 # dockerd runs in a mount namespace of its own (unshare and sh exec, so the PID stays dockerd's) where /run
 # and /etc/docker are empty tmpfs: dockerd 20.10 writes its identity key to /etc/docker/key.json (its
 # --deprecated-key-path is no flag, only a daemon.json key, and the file under test must stay as it is) and
-# creates /run/docker/plugins. The namespace also takes its data-root bind mount away with it. docker.io
-# ships /etc/docker; the mkdir only matters for a dockerd installed some other way.
+# creates /run/docker/plugins. The namespace also takes its data-root bind mount away with it. Where the
+# host has no /etc/docker (no docker.io installed: the test bed's dockerd is not), the mount point is made
+# in an overlay of /etc whose upper layer lives in the private /run: nothing is created on the host.
 PRIVATE_MOUNTS_FAILED = 97
 PRIVATE_MOUNTS = (
     "unshare",
@@ -49,41 +53,34 @@ PRIVATE_MOUNTS = (
     "sh",
     "-c",
     "mount -t tmpfs -o mode=0755 gpunode-test /run"
-    " && mkdir -p /etc/docker && mount -t tmpfs -o mode=0700 gpunode-test /etc/docker"
+    " && { [ -d /etc/docker ] || { mkdir /run/.etc-upper /run/.etc-work"
+    " && mount -t overlay -o lowerdir=/etc,upperdir=/run/.etc-upper,workdir=/run/.etc-work gpunode-test /etc"
+    " && mkdir /etc/docker; }; }"
+    " && mount -t tmpfs -o mode=0700 gpunode-test /etc/docker"
     f' || exit {PRIVATE_MOUNTS_FAILED}; exec "$0" "$@"',
 )
 
 
-def _find(name: str, *preferred: str) -> str | None:
-    for candidate in preferred:
-        if os.access(candidate, os.X_OK):
-            return candidate
-    return shutil.which(name)
-
-
-DOCKERD = _find("dockerd", "/usr/sbin/dockerd", "/usr/bin/dockerd")
-CONTAINERD = _find("containerd", "/usr/bin/containerd")
-# /usr/local/bin/docker may be a much newer client that shadows Debian's; take the one that ships with the
-# daemon so that a client/daemon API mismatch can never be what a test sees.
-DOCKER = _find("docker", "/usr/bin/docker")
+# Where the test bed unpacks them (require_docker() checks they are there). The client is the one that ships
+# with the daemon, so that a client/daemon API mismatch can never be what a test sees.
+DOCKERD = str(testbed.location("dockerd-20.10", "dockerd"))
+DOCKER = str(testbed.location("dockerd-20.10", "docker"))
+CONTAINERD = str(testbed.location("containerd-1.6", "containerd"))
+# What the daemons find by name: runc (containerd's shim and dockerd), the shim, docker-init, docker-proxy.
+HELPERS = ("dockerd-20.10", "containerd-1.6", "runc")
 
 
 def require_docker(*, dockerd: bool = True) -> None:
-    """Skip without dockerd, docker and containerd, except in CI, where the checks must not stop running.
+    """Skip without the test bed's dockerd, docker, containerd and runc, except in CI, where the checks must
+    not stop running (testbed.binary fails there).
 
-    dockerd=False: the test brings its own dockerd binary (the test bed's), and needs only the client and
-    containerd from here.
+    dockerd=False: the test brings its own dockerd binary (the test bed's 26 or 28); the 20.10 tree is still
+    needed for the client.
     """
-    wanted = [("docker", DOCKER), ("containerd", CONTAINERD)]
+    testbed.binary("dockerd-20.10", "docker")
     if dockerd:
-        wanted.insert(0, ("dockerd", DOCKERD))
-    missing = [name for name, path in wanted if not path]
-    if not missing:
-        return
-    why = f"{', '.join(missing)} not installed (apt-get install docker.io)"
-    if os.environ.get("CI"):
-        pytest.fail(f"{why}, and CI must run the real-dockerd checks")
-    pytest.skip(f"{why}; CI fails instead of skipping")
+        testbed.binary("dockerd-20.10", "dockerd")
+    testbed.bin_dirs(*HELPERS)
 
 
 class DockerdExited(Exception):
@@ -126,7 +123,6 @@ class Dockerd:
             return ""
 
     def docker(self, *args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
-        assert DOCKER is not None
         return subprocess.run(
             [DOCKER, "-H", f"unix://{self.socket}", *args],
             capture_output=True,
@@ -170,7 +166,6 @@ class Dockerd:
         Raises DockerdExited if dockerd stops on its own first.
         """
         program = self.binary or DOCKERD
-        assert program is not None
         self._start_containerd(timeout)
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
@@ -178,7 +173,7 @@ class Dockerd:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env=_daemon_env(),
+                env=_daemon_env(program),
                 # Its own session: a Ctrl-C meant for pytest must not reach it before teardown does.
                 start_new_session=True,
             )
@@ -217,7 +212,6 @@ class Dockerd:
         ]
 
     def _start_containerd(self, timeout: float) -> None:
-        assert CONTAINERD is not None
         r = self.root
         config = r / "containerd.toml"
         # The CRI plugin is what dockerd's own supervised containerd disables too: dockerd does not use it,
@@ -240,7 +234,7 @@ class Dockerd:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env=_daemon_env(),
+                env=_daemon_env(CONTAINERD),
                 start_new_session=True,
             )
         deadline = time.monotonic() + timeout
@@ -322,7 +316,7 @@ def validate(binary: str | os.PathLike[str], config: Path, timeout: float = 60) 
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=_daemon_env(),
+        env=_daemon_env(binary),
         stdin=subprocess.DEVNULL,
         check=False,
     )
@@ -357,10 +351,15 @@ def _last_message(log: str) -> str:
     return last
 
 
-def _daemon_env() -> dict[str, str]:
-    # DOCKER_* and XDG variables change where dockerd looks for its config and sockets.
-    keep = ("PATH", "LANG", "LC_ALL", "TZ")
-    return {k: v for k, v in os.environ.items() if k in keep}
+def _daemon_env(program: str | os.PathLike[str] | None = None) -> dict[str, str]:
+    # DOCKER_* and XDG variables change where dockerd looks for its config and sockets. PATH: the program's
+    # own directory, then the test bed's helpers, then the caller's PATH (mount, modprobe, ...).
+    keep = ("LANG", "LC_ALL", "TZ")
+    env = {k: v for k, v in os.environ.items() if k in keep}
+    path = testbed.path_with(*HELPERS)
+    if program is not None:
+        path = f"{Path(program).parent}{os.pathsep}{path}"
+    return {**env, "PATH": path}
 
 
 def _client_env(root: Path) -> dict[str, str]:

@@ -5,8 +5,9 @@ kubelet would, what it made of it: the CRI plugin's status (`ctr plugins ls`), i
 `Status` call with verbose=true, the equivalent of `crictl info`), and finally a real pod sandbox that must
 be created through the configured runtime binary.
 
-Needs containerd, ctr, runc, gcc (with static glibc) and grpcio-tools. In CI (the CI variable is set) a
-missing one is a failure: these checks must not silently stop running there.
+Needs the test bed's containerd 1.6, ctr and runc (tests/testbed.py: unpacked, never installed), gcc (with
+static glibc) and grpcio-tools. In CI (the CI variable is set) a missing one is a failure: these checks
+must not silently stop running there.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import pytest
 import tomlkit
 from tomlkit.items import Table
 
+from tests import testbed
 from tests.integration.cri import client, daemon, oci
 from tests.integration.cri.daemon import Containerd
 
@@ -65,8 +67,9 @@ def pause_archive(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def start_containerd(tmp_path: Path) -> Iterator[Callable[[Path], Containerd]]:
     """Start containerd on a config file with private paths; every daemon is stopped at teardown."""
-    require_program("containerd")
-    require_program("ctr")
+    testbed.binary("containerd-1.6", "containerd")
+    testbed.binary("containerd-1.6", "ctr")
+    testbed.binary("runc")
     started: list[Containerd] = []
 
     def start(config: Path) -> Containerd:
@@ -90,7 +93,11 @@ def default_config(workdir: Path) -> tomlkit.TOMLDocument:
     port each time) and the CRI plugin's own directories (under --root and --state).
     """
     result = subprocess.run(
-        ["containerd", "config", "default"], capture_output=True, text=True, timeout=30, check=True
+        [testbed.binary("containerd-1.6"), "config", "default"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
     )
     doc = tomlkit.parse(result.stdout)
     plugins = table(doc, "plugins")
@@ -128,7 +135,7 @@ def write(doc: tomlkit.TOMLDocument, path: Path) -> Path:
 
 def fake_nvidia_runtime(workdir: Path) -> tuple[Path, Path]:
     """A stand-in for nvidia-container-runtime: logs its arguments, then is runc. Returns (wrapper, log)."""
-    runc = require_program("runc")
+    runc = testbed.binary("runc")
     log = workdir / "nvidia-container-runtime.log"
     wrapper = workdir / "bin" / "nvidia-container-runtime"
     wrapper.parent.mkdir(parents=True, exist_ok=True)

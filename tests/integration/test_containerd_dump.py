@@ -1,12 +1,12 @@
 """Cross-check gpunode's reading of containerd configs against containerd's own `config dump`.
 
-Needs the containerd binary. In CI (the CI variable is set) a missing containerd is a failure: the check
-must not silently stop running there.
+Needs the test bed's containerd 1.6 (tests/testbed.py: unpacked, never installed); gpunode finds it first
+on PATH, as it would find an installed one. In CI (the CI variable is set) a missing containerd is a
+failure: the check must not silently stop running there.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 from collections.abc import Mapping
@@ -17,6 +17,7 @@ import pytest
 
 from gpunode.host import Host
 from gpunode.runtimes import containerd
+from tests import testbed
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "containerd"
 
@@ -33,14 +34,10 @@ FIXTURE_VERSIONS = {
 READABLE = {1: {1, 2}, 2: {2, 3}}
 
 
-@pytest.fixture(scope="module")
-def installed() -> tuple[int, int]:
-    if shutil.which("containerd") is None:
-        if os.environ.get("CI"):
-            pytest.fail(
-                "containerd is not installed, and CI must run this cross-check (apt-get install containerd)"
-            )
-        pytest.skip("containerd is not installed (CI fails instead of skipping)")
+@pytest.fixture(autouse=True)
+def installed(monkeypatch: pytest.MonkeyPatch) -> tuple[int, int]:
+    """The test bed's containerd 1.6 first on PATH, where gpunode (Host() on the real root) looks."""
+    monkeypatch.setenv("PATH", testbed.path_with("containerd-1.6"))
     version = containerd.installed_containerd_version(Host())
     assert version is not None, "cannot read `containerd --version`"
     return version
@@ -48,7 +45,7 @@ def installed() -> tuple[int, int]:
 
 def dump(config: Path, cwd: Path) -> dict[str, Any]:
     result = subprocess.run(
-        ["containerd", "--config", str(config), "config", "dump"],
+        [testbed.binary("containerd-1.6"), "--config", str(config), "config", "dump"],
         capture_output=True,
         text=True,
         timeout=30,

@@ -1,11 +1,13 @@
-"""`gpunode configure-runtime docker` against a real dockerd (Debian's docker.io, 20.10).
+"""`gpunode configure-runtime docker` against a real dockerd (Debian bookworm's docker.io, 20.10, unpacked by
+tests/testbed.py, never installed).
 
 gpunode writes daemon.json; dockerd is the judge. Every file gpunode accepts and writes must make dockerd
 start (or reload) with the nvidia runtime, and every file gpunode refuses must be one dockerd refuses too,
 for the same reason. gpunode runs as a real process with --root on a temp dir, so that its records and
 backups (under /var/lib/gpunode) stay out of the host.
 
-Needs dockerd, docker and containerd. In CI (the CI variable is set) a missing one is a failure.
+Needs the test bed's dockerd, docker, containerd and runc. In CI (the CI variable is set) a missing one is a
+failure.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from tests import testbed
 from tests.integration.dockerd import (
     DOCKERD,
     DockerdExited,
@@ -83,7 +86,7 @@ class Node:
             capture_output=True,
             text=True,
             cwd=REPO,
-            env={k: v for k, v in os.environ.items() if not k.startswith("GPUNODE_")},
+            env=gpunode_env(),
             timeout=120,
             check=False,
         )
@@ -92,12 +95,17 @@ class Node:
         return result
 
 
+def gpunode_env() -> dict[str, str]:
+    # gpunode runs `dockerd --version` by name: the test bed's 20.10 comes first on PATH.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUNODE_")}
+    return {**env, "PATH": testbed.path_with("dockerd-20.10")}
+
+
 @pytest.fixture
 def node(tmp_path: Path) -> Node:
     (tmp_path / "etc/docker").mkdir(parents=True)
     # The root's dockerd is the one the tests run, so gpunode judges the file for that version (it asks
-    # `dockerd --version` when the answer matters, e.g. for a BOM): the system's, also first on PATH.
-    assert DOCKERD is not None
+    # `dockerd --version` when the answer matters, e.g. for a BOM): the test bed's 20.10, also first on PATH.
     program = tmp_path / "usr/sbin/dockerd"
     program.parent.mkdir(parents=True)
     program.write_text(f'#!/bin/sh\nexec {shlex.quote(DOCKERD)} "$@"\n')

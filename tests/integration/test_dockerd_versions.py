@@ -2,12 +2,13 @@
 
 gpunode writes daemon.json for the dockerd that will read it (it asks that dockerd's `--version`): here a
 temp root whose `dockerd` is the test bed's 26 or 28 (tests/testbed.py unpacks them from Debian trixie and
-sid) or the system's 20.10. Every file gpunode writes must pass `dockerd --validate` of 26 and 28, and a
-dockerd must really start on it and list the runtime — `--validate` alone is not enough: it passes a
-runtime that has both a path and a runtimeType, which dockerd then refuses to start on.
+sid) or 20.10 (bookworm's, unpacked too). Every file gpunode writes must pass `dockerd --validate` of 26
+and 28, and a dockerd must really start on it and list the runtime — `--validate` alone is not enough: it
+passes a runtime that has both a path and a runtimeType, which dockerd then refuses to start on.
 
-Needs containerd and bookworm's docker client (and docker.io's dockerd for 20.10); the test bed's dockerd
-26 and 28 are fetched by `./install.sh --dev`. In CI (the CI variable is set) a missing one is a failure.
+Needs the test bed's containerd 1.6, runc and bookworm's docker client (and docker.io's dockerd for 20.10);
+all of them and the test bed's dockerd 26 and 28 are fetched by `./install.sh --dev`. In CI (the CI
+variable is set) a missing one is a failure.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import pytest
 
 from tests import testbed
 from tests.integration.dockerd import (
-    DOCKERD,
     dockerd_refuses,
     require_docker,
     running_dockerd,
@@ -48,11 +48,7 @@ def _client_installed() -> None:
 
 
 def dockerd(name: str) -> Path:
-    """A dockerd by version: "dockerd-20.10" is the system's (docker.io), the others the test bed's."""
-    if name == "dockerd-20.10":
-        require_docker()
-        assert DOCKERD is not None
-        return Path(DOCKERD)
+    """A dockerd by version, from the test bed: "dockerd-20.10" is bookworm's docker.io."""
     return testbed.binary(name)
 
 

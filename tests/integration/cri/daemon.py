@@ -1,5 +1,10 @@
 """Start and stop a real containerd with private paths, and ask it about its plugins.
 
+The programs are the test bed's (tests/testbed.py: Debian packages unpacked into .testbed/, never
+installed): bookworm's containerd 1.6 and ctr unless a test names another containerd, and always the test
+bed's runc. containerd execs its shim and runc by name, so it runs with a PATH on which its own directory
+(where each containerd package has its containerd-shim-runc-v2 and ctr) and the test bed's runc come first.
+
 A daemon owns one directory D: its socket (D/containerd.sock, and the ttrpc socket containerd derives from
 it), D/root and D/state. Teardown stops it by PID and then removes what containerd leaves behind by design:
 shims that outlive it and mounts under D.
@@ -19,7 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from tests import testbed
+
 MNT_DETACH = 2
+# What containerd runs by name besides the programs next to it.
+HELPERS = ("runc",)
 
 
 @dataclass
@@ -29,6 +38,7 @@ class Containerd:
     process: subprocess.Popen[bytes]
     log: Path
     log_file: IO[bytes]
+    ctr: str  # the ctr of the same package
 
     @property
     def socket(self) -> Path:
@@ -47,10 +57,25 @@ class Containerd:
             return ""
 
 
+def default_binary(program: str = "containerd") -> str:
+    """The test bed's containerd 1.6 (or its ctr): a failure under CI, a skip elsewhere when it is missing."""
+    return str(testbed.binary("containerd-1.6", program))
+
+
+def daemon_env(binary: str | os.PathLike[str]) -> dict[str, str]:
+    """The environment containerd runs in: its own directory and the test bed's runc first on PATH."""
+    path = os.pathsep.join([str(Path(binary).parent), testbed.path_with(*HELPERS)])
+    return {**os.environ, "PATH": path}
+
+
 def ctr(
-    sock: Path, *args: str, namespace: str | None = None, timeout: float = 30.0, program: str = "ctr"
+    sock: Path,
+    *args: str,
+    namespace: str | None = None,
+    timeout: float = 30.0,
+    program: str | None = None,
 ) -> str:
-    command = [program, "--address", str(sock)]
+    command = [program or default_binary("ctr"), "--address", str(sock)]
     if namespace is not None:
         command += ["--namespace", namespace]
     result = subprocess.run([*command, *args], capture_output=True, text=True, timeout=timeout, check=False)
@@ -68,13 +93,16 @@ def _accepts(path: Path) -> bool:
 
 
 def start_containerd(
-    config: Path, base: Path, timeout: float = 30.0, binary: str = "containerd"
+    config: Path, base: Path, timeout: float = 30.0, binary: str | os.PathLike[str] | None = None
 ) -> Containerd:
     """Start containerd on config with every path under base; return once its socket accepts connections.
 
     containerd listens only after every plugin has loaded, so an accepting socket means the plugin
     statuses are final. The timeout is generous because the machine may be shared and busy.
+    `binary`: the containerd to run (default: the test bed's 1.6); its package's ctr sits next to it.
     """
+    program = os.fspath(binary) if binary is not None else default_binary()
+    env = daemon_env(program)
     # containerd also listens on "<address>.ttrpc"; a unix socket path has at most 107 bytes.
     ttrpc = f"{base / 'containerd.sock'}.ttrpc"
     assert len(ttrpc.encode()) < 108, f"{ttrpc} is too long for a unix socket: use a shorter base"
@@ -83,7 +111,7 @@ def start_containerd(
     log_file = log.open("wb")
     process = subprocess.Popen(
         [
-            binary,
+            program,
             "--config",
             str(config),
             "--root",
@@ -98,10 +126,14 @@ def start_containerd(
         stdin=subprocess.DEVNULL,
         stdout=log_file,
         stderr=subprocess.STDOUT,
+        env=env,
         # Its own process group: a Ctrl-C aimed at pytest must not kill it before teardown can.
         start_new_session=True,
     )
-    daemon = Containerd(base=base, config=config, process=process, log=log, log_file=log_file)
+    ctr_program = str(Path(program).parent / "ctr")
+    daemon = Containerd(
+        base=base, config=config, process=process, log=log, log_file=log_file, ctr=ctr_program
+    )
     deadline = time.monotonic() + timeout
     while not _accepts(daemon.socket):
         if process.poll() is not None:
@@ -114,7 +146,7 @@ def start_containerd(
     return daemon
 
 
-def plugins_status(sock: Path, program: str = "ctr") -> dict[str, str]:
+def plugins_status(sock: Path, program: str | None = None) -> dict[str, str]:
     """`ctr plugins ls` as {"<type>.<id>": status}: ok, skip or error."""
     statuses: dict[str, str] = {}
     lines = ctr(sock, "plugins", "ls", program=program).splitlines()
@@ -125,18 +157,19 @@ def plugins_status(sock: Path, program: str = "ctr") -> dict[str, str]:
     return statuses
 
 
-def plugin_detail(sock: Path, plugin_id: str, program: str = "ctr") -> str:
+def plugin_detail(sock: Path, plugin_id: str, program: str | None = None) -> str:
     """`ctr plugins ls -d id==ID`: for a plugin in error, the reason containerd gave."""
     return ctr(sock, "plugins", "ls", "--detailed", f"id=={plugin_id}", program=program)
 
 
-def _remove_tasks(sock: Path) -> None:
+def _remove_tasks(daemon: Containerd) -> None:
     # A task still running when containerd stops keeps its shim and container processes alive forever;
     # a forced delete kills them while containerd can still do it cleanly.
-    for namespace in ctr(sock, "namespaces", "ls", "--quiet").split():
-        for task in ctr(sock, "tasks", "ls", "--quiet", namespace=namespace).split():
+    sock, program = daemon.socket, daemon.ctr
+    for namespace in ctr(sock, "namespaces", "ls", "--quiet", program=program).split():
+        for task in ctr(sock, "tasks", "ls", "--quiet", namespace=namespace, program=program).split():
             with contextlib.suppress(AssertionError):
-                ctr(sock, "tasks", "rm", "--force", task, namespace=namespace)
+                ctr(sock, "tasks", "rm", "--force", task, namespace=namespace, program=program)
 
 
 def _processes_with_argument(argument: str) -> list[int]:
@@ -180,7 +213,7 @@ def stop_containerd(daemon: Containerd, timeout: float = 10.0) -> None:
     process = daemon.process
     if process.poll() is None:
         with contextlib.suppress(AssertionError, subprocess.TimeoutExpired):
-            _remove_tasks(daemon.socket)
+            _remove_tasks(daemon)
         process.send_signal(signal.SIGTERM)
         try:
             process.wait(timeout=timeout)
