@@ -5,11 +5,15 @@ only the host's /usr mounted in (read-only), so /etc, /var and /run start empty 
 there disappears with the container. systemd boots in about a second. Programs run inside with
 `nsenter -a` into the namespaces of the container's PID 1, so nothing but the host's /usr is visible to
 them: Python code must use /usr/bin/python3 (or a venv made from it) and its files must be bind-mounted
-in, at the same path when a venv or an editable install refers to them by absolute path.
+in, at the same path when a venv or an editable install refers to them by absolute path. The same goes for
+a daemon the container runs: the tests never rely on one installed in the host's /usr, they bind-mount the
+test bed's (tests/testbed.py, under the checkout), write its unit into the container's /etc and put its
+directory on `box.env["PATH"]`, the PATH of everything `box.run` starts.
 
 Usage::
 
     with nspawn.boot(tmp_path, binds=[nspawn.Bind(REPO, str(REPO))]) as box:
+        box.path("/etc/systemd/system/containerd.service").write_text(unit)
         box.run(["systemctl", "start", "containerd"], check=True)
         box.path("/etc/containerd/config.toml").read_bytes()
 
@@ -79,6 +83,7 @@ class Container:
     console: Path
     state: str = ""  # what `systemctl is-system-running` said once boot was done: running or degraded
     cgroups: list[Path] = field(default_factory=list)  # made for this container; removed after it
+    env: dict[str, str] = field(default_factory=lambda: dict(ENV))  # what run() gives the programs
 
     def run(
         self,
@@ -96,7 +101,7 @@ class Container:
             text=True,
             timeout=timeout,
             check=check,
-            env=ENV,
+            env=self.env,
         )
 
     def systemctl(self, *args: str, timeout: float = RUN_TIMEOUT) -> subprocess.CompletedProcess[str]:

@@ -1,17 +1,20 @@
 """`gpunode configure-runtime containerd --restart` against a real systemd and a real containerd.service.
 
-Each test boots its own systemd container (tests/integration/nspawn.py) in which the host's containerd
-package is the node's containerd: its unit, the default config path and the default restart all apply, as
-on a real node. gpunode runs inside from this checkout's venv, which the container sees at the same path.
+Each test boots its own systemd container (tests/integration/nspawn.py) whose containerd.service is the
+test bed's containerd 1.6 (tests/testbed.py: bookworm's package unpacked into the checkout, never installed
+on the host): the package's own unit, written into the container's /etc with ExecStart pointing at the
+unpacked program and a PATH on which its shim and the test bed's runc come first. The default config
+path and the default restart all apply, as on a real node; gpunode, run inside with the same PATH, finds
+that containerd and ctr as it would find installed ones. gpunode runs from this checkout's venv, which the
+container sees at the same path (and the test bed with it).
 
-Needs root, systemd-nspawn (Debian: systemd-container), nsenter, containerd and ctr, and a venv made from
-the host's /usr/bin/python3 (the container has only the host's /usr). In CI (the CI variable is set) a
-missing one is a failure: these checks must not silently stop running there.
+Needs root, systemd-nspawn (Debian: systemd-container), nsenter, the test bed's containerd, ctr and runc,
+and a venv made from the host's /usr/bin/python3 (the container has only the host's /usr). In CI (the CI
+variable is set) a missing one is a failure: these checks must not silently stop running there.
 """
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -20,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from gpunode.errors import ExitCode
-from tests import tomlread
+from tests import testbed, tomlread
 from tests.integration import nspawn
 
 REPO = Path(__file__).resolve().parents[2]
@@ -35,9 +38,30 @@ FAIL_WITH_NVIDIA = (
 )
 
 
+# The test bed's trees containerd.service runs from: containerd (and its shim), runc.
+DAEMON = ("containerd-1.6", "runc")
+
+
 def prerequisites() -> list[nspawn.Bind]:
-    return nspawn.checkout_binds(
-        [f"{p} is not installed" for p in ("containerd", "ctr") if shutil.which(p) is None]
+    testbed.bin_dirs(*DAEMON)  # a failure under CI, a skip elsewhere, when they are not unpacked
+    binds = nspawn.checkout_binds()
+    if not testbed.BED.resolve().is_relative_to(REPO):
+        binds.append(nspawn.Bind(testbed.BED, str(testbed.BED)))
+    return binds
+
+
+def unit_text() -> str:
+    """The package's own containerd.service, for the unpacked program: ExecStart at the test bed's
+    containerd, and a PATH on which its shim and runc come first (containerd execs them by name)."""
+    tree = testbed.BED / "containerd-1.6"
+    units = ("lib/systemd/system/containerd.service", "usr/lib/systemd/system/containerd.service")
+    (packaged,) = [tree / u for u in units if (tree / u).is_file()]
+    text = packaged.read_text()
+    assert text.count("\nExecStart=/usr/bin/containerd\n") == 1, f"{packaged} has changed:\n{text}"
+    program = testbed.binary("containerd-1.6")
+    path = testbed.path_with(*DAEMON, rest=nspawn.ENV["PATH"])
+    return text.replace(
+        "\nExecStart=/usr/bin/containerd\n", f"\nEnvironment=PATH={path}\nExecStart={program}\n"
     )
 
 
@@ -46,11 +70,18 @@ def node(tmp_path: Path) -> Iterator[nspawn.Container]:
     """A booted systemd with the stock containerd config (systemd cgroups, as kubeadm wants) and
     containerd.service running on it."""
     with nspawn.boot(tmp_path / "nspawn", binds=prerequisites()) as box:
+        # gpunode and the tests find containerd and ctr by name, as on a node where they are installed.
+        box.env["PATH"] = testbed.path_with(*DAEMON, rest=nspawn.ENV["PATH"])
         gpunode_help = box.run([GPUNODE, "--help"])
         assert gpunode_help.returncode == 0, f"gpunode does not run inside the container:\n{gpunode_help}"
         config = box.path(CONFIG)
         config.parent.mkdir(parents=True)
         config.write_bytes(stock_config())
+        unit = box.path(f"/etc/systemd/system/{UNIT}")
+        unit.parent.mkdir(parents=True, exist_ok=True)
+        unit.write_text(unit_text())
+        reloaded = box.systemctl("daemon-reload")
+        assert reloaded.returncode == 0, reloaded.stderr
         started = box.systemctl("start", UNIT)
         assert started.returncode == 0, f"{started.stderr}\n{box.journal(UNIT)}"
         assert cri_state(box) == "ok"
@@ -59,7 +90,11 @@ def node(tmp_path: Path) -> Iterator[nspawn.Container]:
 
 def stock_config() -> bytes:
     result = subprocess.run(
-        ["containerd", "config", "default"], capture_output=True, text=True, timeout=60, check=True
+        [testbed.binary("containerd-1.6"), "config", "default"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
     )
     assert result.stdout.count("SystemdCgroup = false") == 1, "containerd's default config has changed"
     return result.stdout.replace("SystemdCgroup = false", "SystemdCgroup = true").encode()
@@ -72,7 +107,7 @@ def gpunode(box: nspawn.Container, *args: str) -> subprocess.CompletedProcess[st
 
 def cri_state(box: nspawn.Container) -> str:
     """The CRI plugin's state as `ctr plugins ls` reports it ("ok", "error", ...)."""
-    result = box.run(["ctr", "plugins", "ls"], timeout=60)
+    result = box.run([str(testbed.binary("containerd-1.6", "ctr")), "plugins", "ls"], timeout=60)
     assert result.returncode == 0, f"ctr plugins ls: {result.stderr}"
     for line in result.stdout.splitlines():
         words = line.split()

@@ -57,7 +57,7 @@ class Containerd:
             return ""
 
 
-def default_binary(program: str = "containerd") -> str:
+def default_binary(program: str) -> str:
     """The test bed's containerd 1.6 (or its ctr): a failure under CI, a skip elsewhere when it is missing."""
     return str(testbed.binary("containerd-1.6", program))
 
@@ -101,7 +101,7 @@ def start_containerd(
     statuses are final. The timeout is generous because the machine may be shared and busy.
     `binary`: the containerd to run (default: the test bed's 1.6); its package's ctr sits next to it.
     """
-    program = os.fspath(binary) if binary is not None else default_binary()
+    program = os.fspath(binary) if binary is not None else default_binary("containerd")
     env = daemon_env(program)
     # containerd also listens on "<address>.ttrpc"; a unix socket path has at most 107 bytes.
     ttrpc = f"{base / 'containerd.sock'}.ttrpc"
