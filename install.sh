@@ -12,8 +12,11 @@ APT=1
 UNINSTALL=0
 PYTHON="${PYTHON:-}"
 SRC_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-# Debian packages the test suite runs for real (see tests/README in the README's "Tests" section).
-DEV_DEBIAN_PACKAGES=(gcc libc6-dev containerd runc docker.io systemd-container gnupg dpkg-dev openssl acl)
+# Debian packages the test suite needs installed (the README's "Tests" section): the tools it calls and the
+# libraries the test bed's daemons link against (runc: libseccomp2, dockerd 20.10: libdevmapper1.02.1). None
+# of them is a container runtime or starts a service. The daemons themselves (containerd, runc, dockerd) are
+# never installed: tests/testbed.py unpacks them into .testbed/ in the checkout.
+DEV_DEBIAN_PACKAGES=(gcc libc6-dev systemd-container gnupg dpkg-dev openssl acl libseccomp2 libdevmapper1.02.1)
 
 usage() {
     cat <<EOF
@@ -26,13 +29,16 @@ Options:
   --bin-dir DIR    where to link the gpunode command (default: $BIN_DIR)
   --no-link        do not create the link (e.g. a development virtualenv)
   --dev            also install the test dependencies: Debian packages (${DEV_DEBIAN_PACKAGES[*]})
-                   and the [dev] extras; gpunode is installed editable from this checkout; other
-                   containerd and dockerd versions are unpacked into .testbed/ (not installed)
-  --no-apt         with --dev: do not install Debian packages
+                   and the [dev] extras; gpunode is installed editable from this checkout. The daemons
+                   the tests run (containerd 1.6, 1.7, 2.x, runc, dockerd 20.10, 26, 28) are downloaded
+                   with a private apt configuration and unpacked into .testbed/ in the checkout: not
+                   installed, no service enabled or started, the host's own runtime left alone
+  --no-apt         with --dev: neither install Debian packages nor fetch the test bed's daemons
+                   (then: python -m tests.testbed fetch)
   --python PATH    the Python interpreter to use (default: the first of /usr/bin/python3,
                    python3.13 .. python3.10, python3 that is at least $MIN_PYTHON)
   --uninstall      remove the link and the virtualenv, and nothing else; refused while the device
-                   plugin service is installed (run `gpunode down` first)
+                   plugin service is installed (run 'gpunode down' first)
   -h, --help       show this help
 EOF
 }
@@ -174,8 +180,8 @@ if [ "$DEV" -eq 1 ]; then
     say "installing gpunode (editable, with test dependencies) from $SRC_DIR"
     pip_install -e "$SRC_DIR[dev]"
     if [ "$APT" -eq 1 ]; then
-        # Other daemon versions the tests run (containerd 1.7 / 2.x, dockerd 26 / 28): unpacked from Debian
-        # packages into .testbed/ in the checkout, never installed (tests/testbed.py).
+        # The daemons the tests run (containerd 1.6 / 1.7 / 2.x, runc, dockerd 20.10 / 26 / 28): unpacked from
+        # Debian packages into .testbed/ in the checkout, never installed (tests/testbed.py).
         say "fetching the test bed's daemons into $SRC_DIR/.testbed"
         (cd "$SRC_DIR" && "$PREFIX/bin/python" -m tests.testbed fetch) \
             || die "could not fetch the test bed's Debian packages" "check that deb.debian.org is reachable, then run ./install.sh --dev again"
