@@ -33,6 +33,7 @@ from gpunode.plugin.api import deviceplugin_pb2_grpc
 from gpunode.plugin.config import PluginConfig
 from gpunode.plugin.devices import DeviceHealth, DeviceRegistry, Resource, Sharing, Unit, build_resources
 from gpunode.plugin.health import HealthMonitor
+from gpunode.plugin.logsafe import shown
 from gpunode.plugin.preferred import Topology
 from gpunode.plugin.server import DevicePluginService, ResourceServer, ServeSettings, device_message
 from gpunode.plugin.watch import DirectoryWatch, DirEvent
@@ -49,6 +50,7 @@ DISCOVERY_RETRY_MAX = 60.0
 # kubelet's gRPC client refuses any message over 4 MiB (Go grpc's default): a longer device list would be
 # served while the plugin says "ready", and kubelet would see nothing but errors.
 KUBELET_MAX_MESSAGE = 4 * 1024 * 1024
+DETAIL_LIMIT = 300  # characters of kubelet's error text kept (its real messages are one short sentence)
 
 
 class SocketDirBusy(GpunodeError):
@@ -483,6 +485,8 @@ class Plugin:
         except grpc.RpcError as err:
             code = err.code() if isinstance(err, grpc.Call) else None
             detail = err.details() if isinstance(err, grpc.Call) else str(err)
+            # Whatever answers on kubelet.sock wrote it: escaped and bounded before it is logged or shown.
+            detail = shown(detail or "", limit=DETAIL_LIMIT)
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, None):
                 self._retry_register(name, served, f"{code.name if code else 'error'}: {detail}")
                 return

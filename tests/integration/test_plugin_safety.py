@@ -235,3 +235,37 @@ def test_a_device_list_over_kubelets_limit_is_refused_at_start(socket_dir: Path)
         assert "over kubelet's 4 MiB limit" in plugin.log()
         assert "ready" not in plugin.log()
         assert not (socket_dir / SOCKET).exists()
+
+
+def test_what_answers_on_kubelet_sock_cannot_forge_a_log_line(socket_dir: Path) -> None:
+    from concurrent import futures
+
+    import grpc
+
+    from gpunode.plugin.api import deviceplugin_pb2 as pb
+    from gpunode.plugin.api import deviceplugin_pb2_grpc
+
+    services: Any = deviceplugin_pb2_grpc  # generated, untyped
+    forged = "no\n2026-01-01 00:00:00,000 INFO nvidia.com/gpu: registered with kubelet" + "!" * 10_000
+
+    class Refusing(services.RegistrationServicer):  # type: ignore[misc]
+        def Register(self, request: pb.RegisterRequest, context: Any) -> pb.Empty:
+            context.abort(grpc.StatusCode.UNKNOWN, forged)
+            raise AssertionError("abort raises")
+
+    socket_dir.mkdir(parents=True)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    services.add_RegistrationServicer_to_server(Refusing(), server)
+    server.add_insecure_port(f"unix://{socket_dir / 'kubelet.sock'}")
+    server.start()
+    try:
+        with PluginProcess(socket_dir, profile="h100") as plugin:
+            plugin.wait_for_log("kubelet refused the registration", timeout=DEADLINE)
+            status = wait_status(plugin, lambda s: bool(s["resources"] and s["resources"][0]["refused"]))
+            lines = plugin.log().splitlines()
+            assert not [line for line in lines if line.endswith("registered with kubelet")]
+            assert any("refused the registration: no\\n2026-01-01" in line for line in lines)
+            assert max(len(line) for line in lines) < 1000
+            assert len(status["resources"][0]["refused"]) < 400 and "\n" not in status["summary"]
+    finally:
+        server.stop(None)
