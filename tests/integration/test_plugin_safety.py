@@ -246,7 +246,8 @@ def test_what_answers_on_kubelet_sock_cannot_forge_a_log_line(socket_dir: Path) 
     from gpunode.plugin.api import deviceplugin_pb2_grpc
 
     services: Any = deviceplugin_pb2_grpc  # generated, untyped
-    forged = "no\n2026-01-01 00:00:00,000 INFO nvidia.com/gpu: registered with kubelet" + "!" * 10_000
+    # Long, but under gRPC's own 8 KiB soft limit on the status text, which it enforces by chance.
+    forged = "no\n2026-01-01 00:00:00,000 INFO nvidia.com/gpu: registered with kubelet" + "!" * 3_000
 
     class Refusing(services.RegistrationServicer):  # type: ignore[misc]
         def Register(self, request: pb.RegisterRequest, context: Any) -> pb.Empty:
