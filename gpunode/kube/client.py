@@ -41,10 +41,12 @@ import requests
 import urllib3
 
 from gpunode import __version__
-from gpunode.errors import ApiError, ConfigError, GpunodeError, UsageError
+from gpunode.errors import ApiError, CommandFailed, ConfigError, GpunodeError, UsageError
 from gpunode.host import Host
-from gpunode.kube import transport
+from gpunode.kube import execplugin, transport
 from gpunode.kube.credentials import Credentials, Pem, resolve_credentials
+from gpunode.kube.redact import scrub as _scrub
+from gpunode.kube.redact import secret_forms as _secret_forms
 from gpunode.kube.transport import Answer
 
 log = logging.getLogger("gpunode.kube")
@@ -66,15 +68,28 @@ JsonPatch = list[dict[str, Any]]
 class Timeouts:
     """Seconds to wait for the TCP/TLS connection, for each read of the answer, and for the whole request
     (connecting, the headers and the last byte of the body). `total` None is connect + read: a server
-    that answers every read in time but never finishes is still cut off then."""
+    that answers every read in time but never finishes is still cut off then. `read` and `total` both
+    None: no limit but the connect timeout (kubectl's --request-timeout 0)."""
 
     connect: float = 5.0
-    read: float = 30.0
+    read: float | None = 30.0
     total: float | None = None
 
     @property
-    def deadline(self) -> float:
-        return self.total if self.total is not None else self.connect + self.read
+    def deadline(self) -> float | None:
+        if self.total is not None:
+            return self.total
+        return None if self.read is None else self.connect + self.read
+
+    @classmethod
+    def for_request_timeout(cls, seconds: float | None) -> Timeouts:
+        """The timeouts for kubectl's --request-timeout: None (not given) keeps the defaults, 0 means no
+        timeout, else the whole request gets that long (and no single step longer)."""
+        if seconds is None:
+            return cls()
+        if seconds == 0:
+            return cls(read=None, total=None)
+        return cls(connect=min(cls.connect, seconds), read=seconds, total=seconds)
 
 
 @dataclass(frozen=True)
@@ -121,6 +136,7 @@ class KubeClient:
         retry: RetryPolicy | None = None,
         env: Mapping[str, str] | None = None,
         sleep: Callable[[float], None] = time.sleep,
+        host: Host | None = None,
     ) -> None:
         self.credentials = credentials
         self.server = credentials.server
@@ -128,6 +144,12 @@ class KubeClient:
         self.retry = retry or RetryPolicy()
         self._sleep = sleep
         self._token = credentials.token
+        # An exec plugin runs through the host's runner (the real machine's when none is given), at the
+        # first request that needs credentials.
+        self._host = host
+        self._plugin: execplugin.Authenticator | None = None
+        self._plugin_credential: execplugin.PluginCredential | None = None
+        self._plugin_files = 0
         self._tempdir: str | None = None
         self._session = transport.session()
         self._finalizer = weakref.finalize(self, _cleanup, self._session, None)
@@ -158,7 +180,7 @@ class KubeClient:
     ) -> KubeClient:
         """Credentials found the way kubectl finds them (gpunode.kube.credentials), env from the host."""
         credentials = resolve_credentials(host, kubeconfig=kubeconfig, context=context, server=server)
-        return cls(credentials, timeouts=timeouts, retry=retry, env=host.env)
+        return cls(credentials, timeouts=timeouts, retry=retry, env=host.env, host=host)
 
     def __repr__(self) -> str:
         return f"KubeClient({self.credentials!r})"
@@ -311,6 +333,8 @@ class KubeClient:
             self._sleep(delay)
 
     def _send_once(self, method: str, url: str, content_type: str | None, body: bytes | None) -> Answer:
+        if self.credentials.exec_plugin is not None and not self.credentials.plain_http:
+            self._use_plugin_credential(self._authenticator().credential())
         headers = {}
         if content_type is not None:
             headers["Content-Type"] = content_type
@@ -345,7 +369,7 @@ class KubeClient:
         except transport.DeadlineExceeded as exc:
             cause = exc
             failure = ApiError(
-                f"the Kubernetes API at {shown} did not send its whole answer within {deadline:g} s",
+                f"the Kubernetes API at {shown} did not send its whole answer within {exc.seconds:g} s",
                 "check that the API server is healthy (`kubectl get --raw /readyz`) and that no proxy or "
                 "load balancer between it and this node stalls its answers, then try again",
             )
@@ -364,13 +388,13 @@ class KubeClient:
             cause = exc
             failure = _Retry(
                 f"cannot reach the Kubernetes API at {shown}: "
-                f"no connection within {min(self.timeouts.connect, deadline):g} s",
+                f"no connection within {min(self.timeouts.connect, deadline or self.timeouts.connect):g} s",
                 self._unreachable_fix(),
             )
         except requests.exceptions.ReadTimeout as exc:
             cause = exc
             failure = ApiError(
-                f"the Kubernetes API at {shown} did not answer within {self.timeouts.read:g} s",
+                f"the Kubernetes API at {shown} did not answer within {self.timeouts.read or 0:g} s",
                 "check that the API server is healthy (`kubectl get --raw /readyz`), then try again",
             )
         except requests.exceptions.InvalidHeader as exc:
@@ -404,12 +428,17 @@ class KubeClient:
         """What must never be shown: the token (as it is now: it may have been re-read), the password of
         the server's or the proxy's URL."""
         found = [self._token or "", self.credentials.token or ""]
+        if self._plugin_credential is not None:
+            found.extend(self._plugin_credential.secrets())
         for url in (self.server, *self._proxies.values()):
             found.append(urlsplit(url).password or "")
         return [s for s in found if s]
 
     def _reload_token(self) -> bool:
-        """Read a token file again after a 401: service account tokens are rotated under a running process."""
+        """Read a token file again after a 401: service account tokens are rotated under a running process.
+        With an exec plugin: run it again, as client-go does after a 401."""
+        if self.credentials.exec_plugin is not None:
+            return self._refresh_plugin_credential()
         if self.credentials.reload_token is None:
             return False
         fresh = self.credentials.reload_token()
@@ -419,6 +448,65 @@ class KubeClient:
             "the token from %s was rejected; using the token now in the file", self.credentials.token_file
         )
         self._token = fresh
+        return True
+
+    # -- exec plugins ---------------------------------------------------------------------------------
+
+    def _authenticator(self) -> execplugin.Authenticator:
+        if self._plugin is None:
+            config = self.credentials.exec_plugin
+            assert config is not None  # noqa: S101 (only called with a plugin)
+            self._plugin = execplugin.authenticator(self._host or Host(), config)
+        return self._plugin
+
+    def _use_plugin_credential(self, credential: execplugin.PluginCredential) -> None:
+        """Send what the plugin gave from now on: its token, its client certificate (written to this
+        client's private directory, as inline kubeconfig keys are: requests loads certificates from files)."""
+        if credential is self._plugin_credential:
+            return
+        cert: tuple[str, str] | None = None
+        if credential.cert_pem is not None and credential.key_pem is not None:
+            self._plugin_files += 1
+            n = self._plugin_files
+            cert = (
+                self._file(Pem(origin=credential.origin, data=credential.cert_pem), f"exec-{n}.crt"),
+                self._file(Pem(origin=credential.origin, data=credential.key_pem), f"exec-{n}.key"),
+            )
+            reason: str | None = None
+            try:
+                ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_cert_chain(*cert, password=lambda: b"")
+            except (ssl.SSLError, OSError) as exc:
+                reason = _ssl_reason(exc)
+            if reason is not None:
+                raise CommandFailed(
+                    f"the client certificate and key from {credential.origin} cannot be used: {reason}",
+                    "check the plugin's configuration; run it by hand to see what it prints",
+                )
+        if self._cert is not None and cert != self._cert:
+            # Kept-alive connections were made with the old certificate: client-go closes them too.
+            self._session.close()
+        self._cert = cert
+        self._token = credential.token
+        self._plugin_credential = credential
+
+    def _refresh_plugin_credential(self) -> bool:
+        rejected = self._plugin_credential
+        if rejected is None:
+            return False
+        failed: str | None = None
+        try:
+            fresh = self._authenticator().refresh(rejected)
+        except GpunodeError as exc:
+            failed = exc.message
+        if failed is not None:
+            # client-go logs this and returns the 401; so does gpunode, the 401 saying which credentials.
+            log.warning("after a 401, running the exec plugin again failed: %s", failed)
+            return False
+        same = (fresh.token, fresh.cert_pem) == (rejected.token, rejected.cert_pem)
+        self._use_plugin_credential(fresh)
+        if same:
+            return False
+        log.info("the credentials from %s were rejected; using the ones it gave now", fresh.origin)
         return True
 
     def _backoff(self, attempt: int) -> float:
@@ -588,14 +676,6 @@ class KubeClient:
         )
 
 
-def _secret_forms(secret: str) -> set[str]:
-    """The ways a secret may appear in a text: as it is, as repr() escapes it (a token with a line break,
-    quoted in an exception), and its long pieces (each line of a token with line breaks)."""
-    forms = {secret, secret.strip(), repr(secret)[1:-1]}
-    forms.update(piece for piece in re.split(r"[\s\x00-\x1f\x7f]+", secret) if len(piece) >= 6)
-    return {form for form in forms if form}
-
-
 def _mentions(exc: BaseException, secrets: list[str]) -> bool:
     """Whether any exception in exc's chain (causes, contexts, reasons, arguments) shows a secret."""
     forms = [form for secret in secrets for form in _secret_forms(secret)]
@@ -617,13 +697,6 @@ def _mentions(exc: BaseException, secrets: list[str]) -> bool:
         nested = [current.__cause__, current.__context__, getattr(current, "reason", None), *current.args]
         pending.extend(e for e in nested if isinstance(e, BaseException))
     return False
-
-
-def _scrub(text: str, secrets: list[str]) -> str:
-    forms = sorted({form for secret in secrets for form in _secret_forms(secret)}, key=len, reverse=True)
-    for form in forms:
-        text = text.replace(form, "<hidden>")
-    return text
 
 
 def _scrub_error(error: Exception, secrets: list[str]) -> None:

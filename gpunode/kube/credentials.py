@@ -12,6 +12,10 @@ The search, first found wins:
 6. the in-cluster service account (token and CA under /var/run/secrets/kubernetes.io/serviceaccount,
    `KUBERNETES_SERVICE_HOST` / `KUBERNETES_SERVICE_PORT`).
 
+A kubeconfig user with neither a token nor a client certificate may name an exec credential plugin
+(gpunode.kube.execplugin): it is checked here and run when the first request needs credentials, as
+client-go runs it.
+
 A kubeconfig that exists but defines no context at all (what `kubectl config view` leaves in an empty
 ~/.kube/config) is passed over, as client-go passes over an empty config; any other problem in a
 kubeconfig stops the search with an error naming the file, since that file is the one the user meant.
@@ -36,6 +40,7 @@ from urllib.parse import urlsplit
 
 from gpunode.errors import ConfigError, GpunodeError, NotFound, UsageError
 from gpunode.host import Host
+from gpunode.kube.execplugin import CLUSTER_EXTENSION, ExecConfig, parse_exec
 
 log = logging.getLogger("gpunode.kube")
 
@@ -51,7 +56,7 @@ SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 MAX_TOKEN_BYTES = 64 * 1024  # service account JWTs are 1-2 KiB
 
 FIX = (
-    "pass --kubeconfig PATH (a kubeconfig with a token or client certificate), or --server URL "
+    "pass --kubeconfig PATH (a kubeconfig with a token, client certificate or exec plugin), or --server URL "
     "(e.g. http://127.0.0.1:8001 with `kubectl proxy` running)"
 )
 
@@ -78,7 +83,8 @@ class Credentials:
 
     verify: the CA to verify the server with, True for the system's CAs, False only when the kubeconfig
     itself says insecure-skip-tls-verify. cert: the client certificate and key. token: a bearer token
-    (never in the repr, logs or messages). source: where this came from, for messages.
+    (never in the repr, logs or messages). exec_plugin: the credential plugin that gives a token or
+    certificate when a request needs one. source: where this came from, for messages.
     """
 
     server: str
@@ -93,6 +99,7 @@ class Credentials:
     impersonate_groups: tuple[str, ...] = ()
     proxy: str | None = None
     reload_token: Callable[[], str | None] | None = field(default=None, compare=False)
+    exec_plugin: ExecConfig | None = None
 
     def __repr__(self) -> str:
         parts = [f"server={self.server!r}", f"source={self.source!r}", f"verify={self.verify!r}"]
@@ -106,6 +113,8 @@ class Credentials:
             parts.append(f"impersonate_user={self.impersonate_user!r}")
         if self.proxy is not None:
             parts.append(f"proxy={redact_url(self.proxy)!r}")
+        if self.exec_plugin is not None:
+            parts.append(f"exec_plugin={self.exec_plugin!r}")
         return f"Credentials({', '.join(parts)})"
 
     @property
@@ -115,6 +124,8 @@ class Credentials:
     @property
     def auth(self) -> str:
         """The kind of credentials, for messages: "a bearer token", "a client certificate", …"""
+        if self.exec_plugin is not None:
+            return f"the credentials of the exec plugin `{self.exec_plugin.command}`"
         kinds = [
             k
             for k, present in (("a client certificate", self.cert), ("a bearer token", self.token))
@@ -187,7 +198,13 @@ def resolve_credentials(
 def _replace_server(creds: Credentials, server: str) -> Credentials:
     from dataclasses import replace
 
-    return replace(creds, server=server, source=f"{creds.source}, server replaced by --server {server}")
+    plugin = creds.exec_plugin.with_server(server) if creds.exec_plugin is not None else None
+    return replace(
+        creds,
+        server=server,
+        source=f"{creds.source}, server replaced by --server {server}",
+        exec_plugin=plugin,
+    )
 
 
 def _find(host: Host, kubeconfig: str | None, context: str | None, looked: list[str]) -> Credentials | None:
@@ -425,7 +442,7 @@ def _from_kubeconfig(host: Host, config: _Kubeconfig, context: str | None) -> Cr
         return Credentials(server=server, source=source, proxy=proxy)
     if user is None:
         return Credentials(server=server, source=source, verify=verify, proxy=proxy)
-    return _user(host, user, server=server, source=source, verify=verify, proxy=proxy)
+    return _user(host, user, cluster, server=server, source=source, verify=verify, proxy=proxy)
 
 
 def _string(entry: _Named, key: str) -> str | None:
@@ -477,7 +494,14 @@ def _cluster(host: Host, cluster: _Named) -> tuple[str, Pem | bool, str | None]:
 
 
 def _user(
-    host: Host, user: _Named, *, server: str, source: str, verify: Pem | bool, proxy: str | None
+    host: Host,
+    user: _Named,
+    cluster: _Named,
+    *,
+    server: str,
+    source: str,
+    verify: Pem | bool,
+    proxy: str | None,
 ) -> Credentials:
     inline = _string(user, "token")
     token = check_token(inline, f"{user.where()} (token)") if inline else None
@@ -496,8 +520,20 @@ def _user(
         have, missing = ("certificate", "key") if cert is not None else ("key", "certificate")
         raise ConfigError(f"{user.where()} has a client {have} but no client {missing}")
 
+    exec_plugin: ExecConfig | None = None
     if token is None and cert is None:
-        _refuse_unsupported_auth(user)
+        # As in client-go: a token or certificate of the kubeconfig's own wins, and the plugin is not run.
+        if user.body.get("exec"):
+            if user.body.get("auth-provider"):
+                raise ConfigError(f"{user.where()} sets both exec and auth-provider", "keep only exec")
+            exec_plugin = parse_exec(
+                user.body["exec"],
+                where=user.where(),
+                kubeconfig=user.file,
+                cluster=_exec_cluster(host, cluster, server, verify, proxy),
+            )
+        else:
+            _refuse_unsupported_auth(user)
 
     impersonate = _string(user, "as") or None
     groups = user.body.get("as-groups") or []
@@ -527,23 +563,46 @@ def _user(
         impersonate_groups=tuple(groups),
         proxy=proxy,
         reload_token=reload_token,
+        exec_plugin=exec_plugin,
     )
+
+
+def _exec_cluster(
+    host: Host, cluster: _Named, server: str, verify: Pem | bool, proxy: str | None
+) -> dict[str, Any]:
+    """KUBERNETES_EXEC_INFO's spec.cluster (client-go's ConfigToExecCluster): the server, the CA's PEM
+    (base64, as Go encodes bytes), tls-server-name, insecure-skip-tls-verify, proxy-url, and the cluster's
+    client.authentication.k8s.io/exec extension as config. Sent only with provideClusterInfo."""
+    info: dict[str, Any] = {"server": server}
+    name = _string(cluster, "tls-server-name")
+    if name:
+        info["tls-server-name"] = name
+    if verify is False:
+        info["insecure-skip-tls-verify"] = True
+    if isinstance(verify, Pem):
+        data = verify.data
+        if data is None and verify.path is not None:
+            data = verify.path.read_bytes()
+        if data:
+            info["certificate-authority-data"] = base64.b64encode(data).decode("ascii")
+    if proxy:
+        info["proxy-url"] = proxy
+    if cluster.body.get("disable-compression") is True:
+        info["disable-compression"] = True
+    extensions = cluster.body.get("extensions")
+    for extension in extensions if isinstance(extensions, list) else []:
+        if isinstance(extension, dict) and extension.get("name") == CLUSTER_EXTENSION:
+            info["config"] = extension.get("extension")
+    return info
 
 
 def _refuse_unsupported_auth(user: _Named) -> None:
     """A user whose only credentials are ones gpunode cannot use: say so, rather than send no credentials
     and get a puzzling 401 or 403."""
     fix = (
-        "use a kubeconfig with a token or client certificate (e.g. /etc/kubernetes/kubelet.conf), or run "
-        "`kubectl proxy` and pass --server http://127.0.0.1:8001"
+        "use a kubeconfig with a token, client certificate or exec plugin (e.g. "
+        "/etc/kubernetes/kubelet.conf), or run `kubectl proxy` and pass --server http://127.0.0.1:8001"
     )
-    exec_ = user.body.get("exec")
-    if exec_:
-        command = exec_.get("command") if isinstance(exec_, dict) else None
-        plugin = f" ({command})" if isinstance(command, str) else ""
-        raise ConfigError(
-            f"{user.where()} authenticates with an exec plugin{plugin}, which gpunode does not run", fix
-        )
     provider = user.body.get("auth-provider")
     if provider:
         name = provider.get("name") if isinstance(provider, dict) else None

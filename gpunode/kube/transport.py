@@ -75,17 +75,20 @@ class Answer:
 
 
 class _Watchdog:
-    """Shuts down the sockets of the connections one request uses once its deadline has passed."""
+    """Shuts down the sockets of the connections one request uses once its deadline has passed. No
+    deadline (`seconds` None, kubectl's --request-timeout 0): it only keeps the books."""
 
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-        self._ends = time.monotonic() + seconds
+    def __init__(self, seconds: float | None) -> None:
+        self.seconds = seconds if seconds is not None else float("inf")
+        self._ends = time.monotonic() + self.seconds
         self._lock = threading.Lock()
         self._connections: list[Any] = []
         self._expired = False
-        self._timer = threading.Timer(seconds, self._expire)
-        self._timer.daemon = True  # a pending timer must never keep the process alive
-        self._timer.start()
+        self._timer: threading.Timer | None = None
+        if seconds is not None:
+            self._timer = threading.Timer(seconds, self._expire)
+            self._timer.daemon = True  # a pending timer must never keep the process alive
+            self._timer.start()
 
     @property
     def expired(self) -> bool:
@@ -103,7 +106,8 @@ class _Watchdog:
         return self._ends - time.monotonic()
 
     def cancel(self) -> None:
-        self._timer.cancel()
+        if self._timer is not None:
+            self._timer.cancel()
 
     def _expire(self) -> None:
         with self._lock:
@@ -194,13 +198,14 @@ def request(
     url: str,
     *,
     connect: float,
-    read: float,
-    deadline: float,
+    read: float | None,
+    deadline: float | None,
     max_bytes: int,
     max_redirects: int = 0,
     options: Options | None = None,
 ) -> Answer:
-    """Send one request and read its whole answer, within `deadline` seconds and `max_bytes` bytes.
+    """Send one request and read its whole answer, within `deadline` seconds (None: no deadline, and
+    `read` None: no read timeout either) and `max_bytes` bytes.
 
     Redirects (up to `max_redirects`; 0: a redirect is the answer) are followed here, each bounded the
     same way, all within the one deadline. Raises DeadlineExceeded or TooLarge, and requests' own
@@ -241,11 +246,14 @@ def _send_once(
     *,
     watchdog: _Watchdog,
     connect: float,
-    read: float,
+    read: float | None,
     max_bytes: int,
     opts: Options,
 ) -> Answer:
     left = max(watchdog.remaining(), 0.001)
+    timeout: tuple[float, float] | tuple[float, None] = (
+        (min(connect, left), None) if read is None else (min(connect, left), min(read, left))
+    )
     try:
         # The session prepares the request (its headers, the environment's proxies and CAs when it
         # trusts the environment), but its adapter sends it: Session.send, even with
@@ -259,7 +267,7 @@ def _send_once(
         response = http.get_adapter(prepared.url or url).send(
             prepared,
             stream=True,
-            timeout=(min(connect, left), min(read, left)),
+            timeout=timeout,
             verify=True if settings["verify"] is None else settings["verify"],
             cert=settings["cert"],
             proxies=settings["proxies"],

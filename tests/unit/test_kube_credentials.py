@@ -295,7 +295,6 @@ def test_plain_http_server_in_a_kubeconfig_gets_no_credentials(root: Root) -> No
 @pytest.mark.parametrize(
     ("user", "message"),
     [
-        ({"exec": {"command": "aws", "args": ["eks", "get-token"]}}, r"exec plugin \(aws\), which gpunode"),
         ({"auth-provider": {"name": "oidc"}}, r"auth-provider \(oidc\)"),
         ({"username": "admin", "password": "hunter2"}, "username and password"),
     ],
