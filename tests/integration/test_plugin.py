@@ -173,9 +173,11 @@ def test_xid_makes_the_gpu_unhealthy_then_it_recovers(kubelet: FakeKubelet, sock
         bad = {d.id for d in after if d.health == UNHEALTHY}
         assert bad == {f"{uuid1}::0", f"{uuid1}::1"}  # both replicas of GPU 1, nothing else
         # `gpunode plugin status` reads the same, without waiting for another event.
+        # The file is first written once the plugin's Register call returns, which may be after kubelet
+        # has already listed the devices: wait for it to exist too.
         deadline = time.monotonic() + 30
-        while json.loads(plugin.status_path.read_text())["resources"][0]["healthy"] != 6:
-            assert time.monotonic() < deadline, plugin.status_path.read_text()
+        while _healthy_in_status(plugin) != 6:
+            assert time.monotonic() < deadline, plugin.log()
             time.sleep(0.02)
         import grpc
 
@@ -185,6 +187,14 @@ def test_xid_makes_the_gpu_unhealthy_then_it_recovers(kubelet: FakeKubelet, sock
         # NVML says the GPU is fine; after the quiet period it is healthy again.
         kubelet.wait_for_devices(GPU, lambda d: all_health(d, HEALTHY) and len(d) == 8)
         assert kubelet.allocatable(GPU) == 8
+
+
+def _healthy_in_status(plugin: PluginProcess) -> int | None:
+    try:
+        healthy: int = json.loads(plugin.status_path.read_text())["resources"][0]["healthy"]
+    except (FileNotFoundError, ValueError, LookupError):  # not written yet
+        return None
+    return healthy
 
 
 def test_lost_gpu_is_unhealthy(kubelet: FakeKubelet, socket_dir: Path) -> None:
