@@ -26,6 +26,8 @@ class DownOptions:
     kubeconfig: str | None = None
     context: str | None = None
     server: str | None = None
+    # kubectl's --request-timeout in seconds: None not given (the client's defaults), 0 no timeout.
+    request_timeout: float | None = None
     on_output: Callable[[str], None] | None = field(default=None, compare=False)
 
 
@@ -66,11 +68,15 @@ def _plugin(host: Host) -> Step:
 
 def _node(host: Host, opts: DownOptions) -> Step:
     from gpunode.advertise import withdraw
-    from gpunode.kube.client import KubeClient
+    from gpunode.kube.client import KubeClient, Timeouts
 
     def client() -> KubeClient:
         return KubeClient.from_host(
-            host, kubeconfig=opts.kubeconfig, context=opts.context, server=opts.server
+            host,
+            kubeconfig=opts.kubeconfig,
+            context=opts.context,
+            server=opts.server,
+            timeouts=Timeouts.for_request_timeout(opts.request_timeout),
         )
 
     try:

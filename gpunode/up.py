@@ -41,6 +41,8 @@ class UpOptions:
     kubeconfig: str | None = None
     context: str | None = None
     server: str | None = None
+    # kubectl's --request-timeout in seconds: None not given (the client's defaults), 0 no timeout.
+    request_timeout: float | None = None
     # Where the package manager's output goes while the toolkit installs (the CLI shows it).
     on_output: Callable[[str], None] | None = field(default=None, compare=False)
 
@@ -252,11 +254,15 @@ def _labels(host: Host, opts: UpOptions, discover: Callable[[Host], Inventory]) 
     if not opts.labels:
         return Step("labels", "GPU labels not wanted (--no-labels)", needed=False, skipped=True)
     from gpunode.advertise import AdvertiseOptions, advertise
-    from gpunode.kube.client import KubeClient
+    from gpunode.kube.client import KubeClient, Timeouts
 
     try:
         client = KubeClient.from_host(
-            host, kubeconfig=opts.kubeconfig, context=opts.context, server=opts.server
+            host,
+            kubeconfig=opts.kubeconfig,
+            context=opts.context,
+            server=opts.server,
+            timeouts=Timeouts.for_request_timeout(opts.request_timeout),
         )
     except NotFound as exc:
         return Step(
@@ -274,7 +280,11 @@ def _labels(host: Host, opts: UpOptions, discover: Callable[[Host], Inventory]) 
 
     def apply() -> str:
         with KubeClient.from_host(
-            host, kubeconfig=opts.kubeconfig, context=opts.context, server=opts.server
+            host,
+            kubeconfig=opts.kubeconfig,
+            context=opts.context,
+            server=opts.server,
+            timeouts=Timeouts.for_request_timeout(opts.request_timeout),
         ) as fresh_client:
             done = advertise(host, fresh_client, adv_opts, inventory)
         return f"node {done.node}: {len(done.labels_set)} label(s) set, {len(done.labels_removed)} removed"
