@@ -1,0 +1,95 @@
+"""Every CDI spec the node's runtimes read: /etc/cdi (static) and /var/run/cdi (dynamic), *.yaml and *.json.
+
+The runtimes' CDI library reads both directories; a device defined in the dynamic one wins over the same
+device in the static one, and two files in the same directory defining the same device are a conflict
+that makes the runtime drop that device ("unresolvable CDI devices" for every pod asking for it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpunode.cdi import spec as cdispec
+from gpunode.cdi.generate import SPEC_DIRS
+from gpunode.errors import GpunodeError
+from gpunode.host import Host
+
+
+@dataclass(frozen=True)
+class SpecFile:
+    path: str
+    priority: int  # the index of its directory in SPEC_DIRS: higher wins
+    kind: str | None
+    devices: tuple[str, ...]
+    document: dict[str, Any] | None
+    problems: tuple[str, ...] = field(default=())  # why a runtime would drop the whole file
+
+
+@dataclass(frozen=True)
+class ListedDevice:
+    name: str  # fully qualified: vendor/class=name
+    path: str  # the file that defines it
+    state: str  # "ok", "shadowed" (a later directory wins), "conflict" (dropped by the runtime)
+    detail: str | None = None
+
+
+def read_specs(host: Host, directories: tuple[str, ...] = SPEC_DIRS) -> list[SpecFile]:
+    files: list[SpecFile] = []
+    seen: set[str] = set()
+    for priority, directory in enumerate(directories):
+        try:
+            names = host.listdir(directory)
+        except GpunodeError:
+            continue
+        for name in names:
+            if not name.endswith((".yaml", ".json")) or name.startswith("."):
+                continue  # gpunode's own temp files start with a dot; runtimes read only these suffixes
+            path = f"{directory.rstrip('/')}/{name}"
+            canonical = host.canonical(path)
+            if canonical in seen:  # /var/run is /run: one file, read once
+                continue
+            seen.add(canonical)
+            files.append(_read_one(host, path, priority))
+    return files
+
+
+def _read_one(host: Host, path: str, priority: int) -> SpecFile:
+    try:
+        text = host.read_text(path)
+        doc = cdispec.parse(text, path)
+    except GpunodeError as err:
+        return SpecFile(path, priority, None, (), None, (err.message,))
+    problems = tuple(cdispec.structure_problems(doc))
+    kind = doc.get("kind") if isinstance(doc.get("kind"), str) else None
+    devices = tuple(
+        str(d["name"])
+        for d in doc.get("devices") or []
+        if isinstance(d, dict) and isinstance(d.get("name"), str)
+    )
+    return SpecFile(path, priority, kind, devices, doc, problems)
+
+
+def list_devices(files: list[SpecFile]) -> list[ListedDevice]:
+    """Each device of each readable file, with what the runtime makes of it."""
+    by_name: dict[str, list[SpecFile]] = {}
+    for f in files:
+        if f.problems or f.kind is None:
+            continue
+        for device in f.devices:
+            by_name.setdefault(cdispec.qualified(f.kind, device), []).append(f)
+    listed: list[ListedDevice] = []
+    for name, holders in by_name.items():
+        top = max(h.priority for h in holders)
+        winners = [h for h in holders if h.priority == top]
+        for holder in holders:
+            if holder.priority < top:
+                listed.append(
+                    ListedDevice(name, holder.path, "shadowed", f"{winners[0].path} defines it too and wins")
+                )
+            elif len(winners) > 1:
+                others = ", ".join(w.path for w in winners if w is not holder)
+                listed.append(ListedDevice(name, holder.path, "conflict", f"also defined in {others}"))
+            else:
+                listed.append(ListedDevice(name, holder.path, "ok"))
+    return listed
