@@ -1,1 +1,1 @@
-"""The command line: typer wiring and rendering only; the work lives in the modules it calls."""
+"""The command line: click wiring and rendering only; the work lives in the modules it calls."""

@@ -1,14 +1,74 @@
-"""What several commands share: the checks before a command changes the host."""
+"""What several commands share: the checks before a command changes the host, and the exit-status epilog
+every command's help ends with (the README is not installed with the tool)."""
 
 from __future__ import annotations
 
 import sys
 from typing import TYPE_CHECKING
 
-import typer
+import click
 
 if TYPE_CHECKING:
     from gpunode.host import Host
+
+
+class Command(click.Command):
+    """Every gpunode command: a usage error always knows its command, so the error can name that
+    command's help (click's parser raises some, such as a missing option value, without it)."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except click.UsageError as err:
+            err.ctx = err.ctx or ctx
+            raise
+
+
+class Group(click.Group):
+    """A group of gpunode commands (`gpunode plugin ...`); see Command."""
+
+    command_class = Command
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(self.commands)  # in the order they are declared (click sorts them)
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except click.UsageError as err:
+            err.ctx = err.ctx or ctx
+            raise
+
+
+# The statuses every command can end with; gpunode/errors.py's ExitCode has the same values.
+_SHARED = (
+    "2    wrong usage: a bad option or argument",
+    "3    a gpunode error with no more specific code",
+    "4    a file gpunode must read is malformed or of an unknown format",
+    "5    permission denied: needs root, or the OS refused access",
+    "6    a file, program or device that is needed does not exist",
+    "7    the NVIDIA driver / NVML cannot be used",
+    "8    an external command failed, could not start, or timed out",
+    "9    the Kubernetes API refused a request or could not be reached",
+    "70   a bug in gpunode (--debug shows the traceback)",
+    "130  interrupted (Ctrl-C)",
+    "141  the reader of the output went away (`| head`)",
+)
+
+
+def exit_codes(*own: str, full: bool = False) -> str:
+    """A help epilog: the command's own exit statuses (`"0    what it means"`) and the shared ones, in order.
+
+    `full` lists every shared status; otherwise 3-9 is one line pointing at `gpunode --help`.
+    """
+    shared = (
+        _SHARED
+        if full
+        else (_SHARED[0], "3-9  other gpunode errors (`gpunode --help` lists them)", *_SHARED[-3:])
+    )
+    lines = sorted((*own, *shared), key=lambda line: int(line.split()[0].split("-")[-1]))  # a range: its end
+    # "\b" keeps click from re-wrapping the lines into one paragraph.
+    return "\b\nExit status:\n" + "\n".join(f"  {line}" for line in lines)
 
 
 def refuse_foreign_root(host: Host, dry_run: bool) -> None:
@@ -29,7 +89,7 @@ def confirm(yes: bool, what: str, warning: str | None = None) -> None:
     from gpunode.errors import ExitCode, UsageError
 
     if warning:
-        typer.echo(f"warning: {warning}")
+        click.echo(f"warning: {warning}")
     if yes:
         return
     if not sys.stdin.isatty():
@@ -38,6 +98,6 @@ def confirm(yes: bool, what: str, warning: str | None = None) -> None:
             "to confirm on",
             "add --yes to run it unattended (or --dry-run to see the plan)",
         )
-    if not typer.confirm("Go ahead?", default=False):
-        typer.echo("nothing was changed")
-        raise typer.Exit(int(ExitCode.DECLINED))
+    if not click.confirm("Go ahead?", default=False):
+        click.echo("nothing was changed")
+        raise click.exceptions.Exit(int(ExitCode.DECLINED))

@@ -1,16 +1,23 @@
-"""`gpunode doctor`: wiring and rendering."""
+"""`gpunode doctor`: wiring and rendering.
+
+A terminal gets a table with colour (rich, imported only then); anything else — a file, a pipe, a CI log —
+gets plain lines: one finding per line, never wrapped, no padding at the end of a line, no box drawing, so
+`gpunode doctor > file; grep FAIL file` finds every failed check and nothing else.
+"""
 
 from __future__ import annotations
 
 import json
+import sys
 from typing import TYPE_CHECKING
 
-import typer
+import click
 
+from gpunode.cli.common import Command, exit_codes
 from gpunode.errors import ExitCode
 
 if TYPE_CHECKING:
-    from gpunode.doctor import Report
+    from gpunode.doctor import Finding, Report
 
 _STYLE = {
     "ok": ("ok", "green"),
@@ -20,35 +27,80 @@ _STYLE = {
 }
 
 
-def doctor(
-    ctx: typer.Context,
-    as_json: bool = typer.Option(
-        False, "--json", help="Print the findings as JSON (schema gpunode.doctor/v1)."
-    ),
-) -> None:
+@click.command(
+    "doctor",
+    cls=Command,
+    epilog=exit_codes("0    nothing failed (warnings do not fail)", "1    a check failed"),
+)
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print the findings as JSON (schema gpunode.doctor/v1)."
+)
+@click.pass_context
+def doctor(ctx: click.Context, as_json: bool) -> None:
     """Diagnose this node: driver, GPUs, container toolkit and runtimes, kubelet, device plugin.
 
-    Exit status 0 when nothing fails, 1 when a check fails (warnings do not fail).
+    Read-only. Each check is a finding (ok, warn, FAIL, skip) with what it saw and the fix.
     """
-    from gpunode.cli.main import state
+    from gpunode.cli.state import state
     from gpunode.doctor import run_doctor
 
     app_state = state(ctx)
     report = run_doctor(app_state.host, raise_bugs=app_state.debug)
     if as_json:
-        typer.echo(json.dumps(report.to_json(), indent=2))
+        click.echo(json.dumps(report.to_json(), indent=2))
+    elif sys.stdout.isatty():
+        render(report, color=app_state.color)
     else:
-        render(report)
-    raise typer.Exit(int(ExitCode.OK if report.healthy else ExitCode.UNHEALTHY))
+        sys.stdout.write(render_plain(report))
+    raise click.exceptions.Exit(int(ExitCode.OK if report.healthy else ExitCode.UNHEALTHY))
 
 
-def render(report: Report) -> None:
+def _problems(report: Report) -> list[Finding]:
+    return [f for f in report.findings if f.status.value in ("fail", "warn")]
+
+
+def _verdict(report: Report) -> str:
+    return "node is healthy" if report.healthy else "node is NOT ready for GPU workloads"
+
+
+def _counts(report: Report) -> str:
+    counts = report.counts()
+    return f"{counts['ok']} ok, {counts['warn']} warn, {counts['fail']} fail, {counts['skip']} skip"
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def render_plain(report: Report) -> str:
+    """The findings for a file or a pipe: a finding's status, id and summary on one line; then the detail
+    and fix of each problem under its id (no status word there, so a grep for FAIL counts each failed
+    check once); then the counts."""
+    rows = [("status", "check", "result")] + [
+        (_STYLE[f.status.value][0], f.id, _one_line(f.summary)) for f in report.findings
+    ]
+    status_width = max(len(r[0]) for r in rows)
+    id_width = max(len(r[1]) for r in rows)
+    lines = [f"{s:<{status_width}}  {i:<{id_width}}  {text}".rstrip() for s, i, text in rows]
+    for f in _problems(report):
+        lines.append("")
+        lines.append(f"{f.id}:")
+        for line in (f.detail or "").splitlines():
+            lines.append(f"    {line}".rstrip())
+        if f.fix:
+            lines.append(f"    fix: {_one_line(f.fix)}")
+    lines += ["", f"{_counts(report)}: {_verdict(report)}"]
+    return "\n".join(lines) + "\n"
+
+
+def render(report: Report, *, color: bool = True) -> None:
+    """The findings for a terminal: a table that fits its width, colour unless --no-color / NO_COLOR."""
     from rich.console import Console
     from rich.padding import Padding
     from rich.table import Table
     from rich.text import Text
 
-    console = Console(highlight=False)
+    console = Console(highlight=False, no_color=not color)
     table = Table(show_header=True, header_style="bold", box=None, pad_edge=False)
     table.add_column("status", no_wrap=True)
     table.add_column("check", no_wrap=True)
@@ -57,7 +109,7 @@ def render(report: Report) -> None:
         label, style = _STYLE[f.status.value]
         table.add_row(Text(label, style=style), f.id, f.summary)
     console.print(table)
-    problems = [f for f in report.findings if f.status.value in ("fail", "warn")]
+    problems = _problems(report)
     if problems:
         console.print()
         for f in problems:
@@ -68,16 +120,6 @@ def render(report: Report) -> None:
                 console.print(Padding(Text(f.detail, style="dim"), (0, 0, 0, 4)))
             if f.fix:
                 console.print(Padding(Text(f"fix: {f.fix}"), (0, 0, 0, 4)))
-    counts = report.counts()
-    verdict = (
-        Text("node is healthy", style="green")
-        if report.healthy
-        else Text("node is NOT ready for GPU workloads", style="bold red")
-    )
+    verdict = Text(_verdict(report), style="green" if report.healthy else "bold red")
     console.print()
-    console.print(
-        Text.assemble(
-            f"{counts['ok']} ok, {counts['warn']} warn, {counts['fail']} fail, {counts['skip']} skip: ",
-            verdict,
-        )
-    )
+    console.print(Text.assemble(f"{_counts(report)}: ", verdict))

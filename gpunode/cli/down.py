@@ -2,45 +2,55 @@
 
 from __future__ import annotations
 
-from typing import Optional
+import click
 
-import typer
-
+from gpunode.cli.common import Command, exit_codes
 from gpunode.cli.node import kube_options
 
-_KUBE = kube_options()
 
-
+@click.command(
+    "down",
+    cls=Command,
+    epilog=exit_codes(
+        "0    done (or nothing of gpunode's to undo)",
+        "1    the confirmation was declined (nothing changed)",
+    ),
+)
+@click.option(
+    "--toolkit", is_flag=True, help="Also remove nvidia-container-toolkit and its repository files."
+)
+@click.option("--node", metavar="NAME", help="Node name to withdraw from.")
+@click.option("--dry-run", is_flag=True, help="Print the plan; change nothing.")
+@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation (unattended use).")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print one JSON document (schema gpunode.down/v1): the plan, then each step's result.",
+)
+@kube_options
+@click.pass_context
 def down(
-    ctx: typer.Context,
-    toolkit: bool = typer.Option(
-        False, "--toolkit", help="Also remove nvidia-container-toolkit and its repository files."
-    ),
-    node: Optional[str] = typer.Option(  # noqa: UP045 (typer reads the annotation at runtime)
-        None, "--node", metavar="NAME", help="Node name to withdraw from.", show_default=False
-    ),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan; change nothing."),
-    yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation (unattended use)."),
-    as_json: bool = typer.Option(
-        False,
-        "--json",
-        help="Print one JSON document (schema gpunode.down/v1): the plan, then each step's result.",
-    ),
-    kubeconfig: Optional[str] = _KUBE["kubeconfig"],  # noqa: UP045
-    context: Optional[str] = _KUBE["context"],  # noqa: UP045
-    server: Optional[str] = _KUBE["server"],  # noqa: UP045
+    ctx: click.Context,
+    toolkit: bool,
+    node: str | None,
+    dry_run: bool,
+    yes: bool,
+    as_json: bool,
+    kubeconfig: str | None,
+    context: str | None,
+    server: str | None,
 ) -> None:
     """Undo `gpunode up` in reverse: plugin service, node capacity and labels, runtime configuration, and
     with --toolkit the toolkit.
 
-    Prints the plan first; only what gpunode recorded doing is undone. Exit 0 when done (or nothing to
-    undo), 1 when the confirmation is declined, 2 on bad usage or no terminal without --yes; a failed step
-    exits with its own code (see `gpunode --help`).
+    Prints the plan first; only what gpunode recorded doing is undone. Without a terminal it needs --yes.
+    A failed step stops it with that step's exit status.
     """
     from dataclasses import replace
 
     from gpunode.cli.common import refuse_foreign_root
-    from gpunode.cli.main import state
+    from gpunode.cli.state import state
     from gpunode.cli.up import run_plan
     from gpunode.down import DownOptions, plan_down
 
@@ -52,7 +62,7 @@ def down(
         kubeconfig=kubeconfig,
         context=context,
         server=server,
-        on_output=lambda line: typer.echo(f"    | {line}"),
+        on_output=lambda line: click.echo(f"    | {line}"),
     )
     if as_json:
         from gpunode import jsonout

@@ -1,5 +1,5 @@
 """The `gpunode` console script. It imports nothing itself, so that Ctrl-C at any instant of start-up (while
-typer and the command's modules load) ends quietly with exit 130, as Ctrl-C does once the command runs."""
+click and the command's modules load) ends quietly with exit 130, as Ctrl-C does once the command runs."""
 
 from __future__ import annotations
 

@@ -1,86 +1,150 @@
-"""The root `gpunode` app, its global options, and the one place exceptions become exit codes."""
+"""The root `gpunode` command, its global options, and the one place exceptions become exit codes.
+
+Plain click, with explicit parameter types: typer's runtime coercion built a pydantic adapter for every
+option (pydantic imported on every command, ~55 ms and ~10 MB). Each command's module is imported only
+when that command runs (or shows its help): `gpunode --help` lists them from the table below.
+"""
 
 from __future__ import annotations
 
+import difflib
 import errno
 import os
+import shutil
 import sys
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import typer
+import click
 
 from gpunode import __version__
+from gpunode.cli.common import Group, exit_codes
+from gpunode.cli.state import COMPLETE_VAR, AppState, overrides
 from gpunode.errors import ExitCode, GpunodeError
-from gpunode.host import Host
 
-app = typer.Typer(
-    name="gpunode",
+if TYPE_CHECKING:
+    from gpunode.host import Host
+
+# name: (module, attribute, the one-line help `gpunode --help` shows). In the order an operator meets
+# them; tests/cli/test_main.py checks each line against the command's own help.
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "doctor": (
+        "gpunode.cli.doctor",
+        "doctor",
+        "Diagnose this node: driver, GPUs, container toolkit and runtimes, kubelet, device plugin.",
+    ),
+    "up": (
+        "gpunode.cli.up",
+        "up",
+        "Make this a working GPU node: preflight, toolkit, container runtime, device plugin, labels.",
+    ),
+    "down": (
+        "gpunode.cli.down",
+        "down",
+        "Undo `gpunode up` in reverse: plugin service, node capacity and labels, runtime configuration, "
+        "and with --toolkit the toolkit.",
+    ),
+    "toolkit": (
+        "gpunode.cli.toolkit",
+        "app",
+        "Install nvidia-container-toolkit from NVIDIA's signed repositories (apt, dnf/yum, zypper).",
+    ),
+    "configure-runtime": (
+        "gpunode.cli.runtime",
+        "configure_runtime",
+        "Add the NVIDIA runtime to docker, containerd or CRI-O: atomically, with a backup and a way back.",
+    ),
+    "plugin": (
+        "gpunode.cli.plugin",
+        "app",
+        "The embedded Kubernetes device plugin (deviceplugin v1beta1).",
+    ),
+    "node": (
+        "gpunode.cli.node",
+        "app",
+        "Advertise this node's GPUs through the Kubernetes API (capacity and GPU feature discovery labels).",
+    ),
+    "completion": (
+        "gpunode.cli.completion",
+        "completion",
+        "Print the shell completion script for bash, zsh or fish.",
+    ),
+}
+
+
+class LazyGroup(Group):
+    """The root group: commands come from COMMANDS, imported when one is asked for."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in COMMANDS:
+            return None
+        import importlib
+
+        module, attribute, _ = COMMANDS[cmd_name]
+        command = getattr(importlib.import_module(module), attribute)
+        if not isinstance(command, click.Command):  # a wiring mistake, caught by the tests
+            raise TypeError(f"{module}.{attribute} is not a click command")
+        return command
+
+    def resolve_command(
+        self, ctx: click.Context, args: list[str]
+    ) -> tuple[str | None, click.Command | None, list[str]]:
+        name = args[0]
+        if name not in COMMANDS and not name.startswith("-"):
+            near = difflib.get_close_matches(name, list(COMMANDS), n=1)
+            raise click.UsageError(
+                f"no command {name!r}" + (f" (did you mean {near[0]!r}?)" if near else ""), ctx
+            )
+        return super().resolve_command(ctx, args)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        # From the table, not from the modules: listing the commands must not import them all.
+        with formatter.section("Commands"):
+            formatter.write_dl([(name, help_) for name, (_, _, help_) in COMMANDS.items()])
+
+
+@click.group(
+    "gpunode",
+    cls=LazyGroup,
     help="Turn a Linux machine with NVIDIA GPUs into a working Kubernetes GPU node, and keep it working.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
+    epilog=exit_codes(
+        "0    success (doctor: nothing failed)",
+        "1    the node is unhealthy (doctor found a failure), or a confirmation was declined",
+        full=True,
+    ),
     context_settings={"help_option_names": ["-h", "--help"]},
 )
+@click.option(
+    "--debug", is_flag=True, help="Show tracebacks and internal detail on errors (also GPUNODE_DEBUG=1)."
+)
+@click.option(
+    "--root",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    default=Path("/"),
+    show_default=True,
+    metavar="DIR",
+    help="Read the host's files under DIR instead of / (an image or chroot). NVML still reads this "
+    "machine's GPUs.",
+)
+@click.option("--no-color", is_flag=True, help="No colour in terminal output (also NO_COLOR=1).")
+@click.version_option(__version__, "--version", prog_name="gpunode", message="%(prog)s %(version)s")
+@click.pass_context
+def cli(ctx: click.Context, debug: bool, root: Path, no_color: bool) -> None:
+    from gpunode.host import Host
+
+    color = not no_color and not os.environ.get("NO_COLOR")  # no-color.org: set and not empty
+    ctx.obj = AppState(host=overrides.get("host") or Host(root=root), debug=debug, color=color)
 
 
-# Set only by main(host=...): lets tests run the whole CLI against a temp root and a scripted runner.
-_overrides: dict[str, Host] = {}
-
-
-@dataclass(frozen=True)
-class AppState:
-    host: Host
-    debug: bool
-
-
-def _show_version(value: bool) -> None:
-    if value:
-        typer.echo(f"gpunode {__version__}")
-        raise typer.Exit(0)
-
-
-@app.callback()
-def _root(
-    ctx: typer.Context,
-    debug: bool = typer.Option(False, "--debug", help="Show tracebacks and internal detail on errors."),
-    root: Path = typer.Option(
-        Path("/"),
-        "--root",
-        help="Read the host's files under DIR instead of / (an image or chroot). NVML still reads this "
-        "machine's GPUs.",
-        metavar="DIR",
-        file_okay=False,
-        exists=True,
-    ),
-    version: bool = typer.Option(
-        False, "--version", callback=_show_version, is_eager=True, help="Print the version and exit."
-    ),
-) -> None:
-    ctx.obj = AppState(host=_overrides.get("host") or Host(root=root), debug=debug)
-
-
-def state(ctx: typer.Context) -> AppState:
-    obj = ctx.find_root().obj
-    if not isinstance(obj, AppState):  # _root sets it before any command runs
-        raise RuntimeError("gpunode's root callback did not run")
-    return obj
-
-
-def _register_commands() -> None:
-    from gpunode.cli import doctor, down, node, plugin, runtime, toolkit, up
-
-    app.command("doctor")(doctor.doctor)
-    app.command("configure-runtime")(runtime.configure_runtime)
-    app.command("up")(up.up)
-    app.command("down")(down.down)
-    app.add_typer(plugin.app, name="plugin")
-    app.add_typer(toolkit.app, name="toolkit")
-    app.add_typer(node.app, name="node")
-
-
-_register_commands()
+def _help_width() -> int:
+    """Help for a terminal fits it; help piped to a file or grep is not wrapped at all."""
+    if sys.stdout.isatty():
+        return shutil.get_terminal_size().columns
+    return 100_000
 
 
 def _print_error(err: GpunodeError) -> None:
@@ -92,36 +156,71 @@ def _print_error(err: GpunodeError) -> None:
         sys.stderr.write(f"  fix: {err.fix}\n")
 
 
+def _usage_error(err: click.UsageError) -> GpunodeError:
+    """click's usage errors in gpunode's own format: what is wrong, and where the command's help is."""
+    from gpunode.errors import UsageError
+
+    path = err.ctx.command_path if err.ctx is not None else "gpunode"
+    # Which command refused it, before the message: "plugin run: Invalid value for '--replicas': ...".
+    where = f"{path.removeprefix('gpunode').strip()}: " if path != "gpunode" else ""
+    if isinstance(err, click.exceptions.NoArgsIsHelpError):
+        # `gpunode` or `gpunode plugin` alone: the help, on stderr, is the most useful answer.
+        sys.stderr.write(err.ctx.get_help() + "\n\n")
+        return UsageError(f"{where}a command is needed", f"run one of the commands above (`{path} --help`)")
+    message = " ".join(err.format_message().split())  # one line: "Choose from:" lists come on several
+    message = message[:-1] if message.endswith(".") and not message.endswith("..") else message
+    return UsageError(f"{where}{message}", f"see `{path} --help`")
+
+
+def _invoke(args: list[str]) -> int:
+    instruction = os.environ.get(COMPLETE_VAR)
+    if instruction:
+        from click.shell_completion import shell_complete
+
+        return shell_complete(cli, {}, "gpunode", COMPLETE_VAR, instruction)
+    width = _help_width()
+    with cli.make_context("gpunode", args, terminal_width=width, max_content_width=width) as ctx:
+        result: Any = cli.invoke(ctx)
+    return result if isinstance(result, int) else int(ExitCode.OK)
+
+
 def main(argv: list[str] | None = None, host: Host | None = None) -> int:
     """Run the CLI; every outcome ends here as an exit code from ExitCode."""
-    _overrides.clear()
     from gpunode import jsonout
 
+    overrides.clear()
     jsonout.reset()  # a JSON request belongs to one run (tests call main() many times in one process)
     if host is not None:
-        _overrides["host"] = host
-    args = sys.argv[1:] if argv is None else argv
+        overrides["host"] = host
+    args = sys.argv[1:] if argv is None else list(argv)
     _stdout_at_start[:] = [_stdout_identity()]
     debug = "--debug" in args or os.environ.get("GPUNODE_DEBUG") == "1"
     try:
-        # Standalone mode: typer itself reports usage errors (exit 2) and turns Ctrl-C into exit 130.
-        app(args=args, prog_name="gpunode")
+        code = _invoke(args)
+    except click.exceptions.Exit as exit_:  # --help, --version, and a command's own exit status
+        code = exit_.exit_code
+    except click.UsageError as err:
+        _print_error(_usage_error(err))
+        return int(ExitCode.USAGE)
+    except click.ClickException as err:  # click's others (a file it could not open): not a bug
+        _print_error(GpunodeError(err.format_message(), "check the value given, then run the command again"))
+        return int(ExitCode.ERROR)
     except SystemExit as exit_:
-        code = exit_.code
+        code_ = exit_.code
         if _stdout_closed():
             return int(ExitCode.BROKEN_PIPE)
-        if code is None:
+        if code_ is None:
             return int(ExitCode.OK)
-        if isinstance(code, int):
-            return code
-        sys.stderr.write(f"{code}\n")
+        if isinstance(code_, int):
+            return code_
+        sys.stderr.write(f"{code_}\n")
         return int(ExitCode.ERROR)
     except GpunodeError as err:
         if debug:
             traceback.print_exc()
         _print_error(err)
         return int(err.exit_code)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, click.exceptions.Abort):
         sys.stderr.write("gpunode: interrupted\n")
         return int(ExitCode.INTERRUPTED)
     except OSError as err:
@@ -142,7 +241,9 @@ def main(argv: list[str] | None = None, host: Host | None = None) -> int:
             "  This is a bug in gpunode. Re-run with --debug for the traceback and report it.\n"
         )
         return int(ExitCode.INTERNAL)
-    return int(ExitCode.OK) if not _stdout_closed() else int(ExitCode.BROKEN_PIPE)
+    if _stdout_closed():
+        return int(ExitCode.BROKEN_PIPE)
+    return code
 
 
 def _os_error(err: OSError) -> GpunodeError:
@@ -170,9 +271,9 @@ _stdout_at_start: list[tuple[int, int] | None] = []
 
 
 def _stdout_closed() -> bool:
-    # click and rich swallow EPIPE themselves and exit 1: click leaves its wrapper on sys.stdout, rich puts
-    # /dev/null on descriptor 1. A closed pipe is not a failure of the command, and 1 would read as
-    # "unhealthy".
+    # rich swallows EPIPE itself and exits 1 after putting /dev/null on descriptor 1 (click, where it runs
+    # its own main, leaves a PacifyFlushWrapper on sys.stdout). A closed pipe is not a failure of the
+    # command, and 1 would read as "unhealthy".
     if type(sys.stdout).__name__ == "PacifyFlushWrapper":
         return True
     return bool(_stdout_at_start) and _stdout_identity() != _stdout_at_start[-1]

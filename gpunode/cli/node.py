@@ -4,90 +4,97 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import TYPE_CHECKING, Any, Optional
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import typer
+import click
+
+from gpunode.cli.common import Group, exit_codes
 
 if TYPE_CHECKING:
     from gpunode.advertise import Change
     from gpunode.host import Host
     from gpunode.kube.client import KubeClient
 
-app = typer.Typer(
+
+@click.group(
+    "node",
+    cls=Group,
     help="Advertise this node's GPUs through the Kubernetes API (capacity and GPU feature discovery labels).",
-    no_args_is_help=True,
-    context_settings={"help_option_names": ["-h", "--help"]},
+    epilog=exit_codes("0    done; each command's --help lists what else it exits with"),
 )
+def app() -> None:
+    pass
+
 
 KUBECONFIG_HELP = (
     "kubeconfig file (default: $KUBECONFIG, ~/.kube/config, /etc/kubernetes/kubelet.conf, k3s/RKE2's, then "
     "the in-cluster service account)."
 )
 
-
-def kube_options() -> dict[str, Any]:
-    """The credential options every command that talks to the API takes (also `gpunode up`)."""
-    return {
-        "kubeconfig": typer.Option(
-            None, "--kubeconfig", metavar="PATH", help=KUBECONFIG_HELP, show_default=False
-        ),
-        "context": typer.Option(
-            None,
-            "--context",
-            metavar="NAME",
-            help="kubeconfig context (default: current).",
-            show_default=False,
-        ),
-        "server": typer.Option(
-            None,
-            "--server",
-            metavar="URL",
-            help="API server URL, overriding the kubeconfig's (e.g. `kubectl proxy`'s http://127.0.0.1:8001).",
-            show_default=False,
-        ),
-    }
+F = TypeVar("F", bound=Callable[..., Any])
 
 
-_KUBE = kube_options()
+def kube_options(command: F) -> F:
+    """The credential options every command that talks to the API takes (also `gpunode up` and `down`):
+    --kubeconfig, --context, --server."""
+    for option in reversed(
+        (
+            click.option("--kubeconfig", metavar="PATH", help=KUBECONFIG_HELP),
+            click.option("--context", metavar="NAME", help="kubeconfig context (default: current)."),
+            click.option(
+                "--server",
+                metavar="URL",
+                help="API server URL, overriding the kubeconfig's (e.g. `kubectl proxy`'s "
+                "http://127.0.0.1:8001).",
+            ),
+        )
+    ):
+        command = option(command)
+    return command
 
 
-@app.command("advertise")
+_API = "9    the Kubernetes API refused the request or could not be reached"
+
+
+@app.command("advertise", epilog=exit_codes("0    advertised (or already so)", _API))
+@click.option(
+    "--node",
+    metavar="NAME",
+    help="Node name (default: $NODE_NAME, kubelet's --hostname-override, the host name).",
+)
+@click.option(
+    "--resource", default="nvidia.com/gpu", show_default=True, metavar="NAME", help="Extended resource name."
+)
+@click.option(
+    "--count", type=click.INT, metavar="N", help="Capacity to advertise (default: the GPUs NVML reports)."
+)
+@click.option("--labels/--no-labels", default=True, help="Set the GPU feature discovery labels.")
+@click.option(
+    "--capacity/--no-capacity",
+    default=True,
+    help="Patch the extended-resource capacity (warns when a device plugin owns it).",
+)
+@click.option("--dry-run", is_flag=True, help="Read the node and print the patches; change nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@kube_options
+@click.pass_context
 def advertise(
-    ctx: typer.Context,
-    node: Optional[str] = typer.Option(  # noqa: UP045 (typer reads the annotation at runtime)
-        None,
-        "--node",
-        metavar="NAME",
-        help="Node name (default: $NODE_NAME, kubelet's --hostname-override, the host name).",
-        show_default=False,
-    ),
-    resource: str = typer.Option(
-        "nvidia.com/gpu", "--resource", metavar="NAME", help="Extended resource name."
-    ),
-    count: Optional[int] = typer.Option(  # noqa: UP045
-        None,
-        "--count",
-        metavar="N",
-        help="Capacity to advertise (default: the GPUs NVML reports).",
-        show_default=False,
-    ),
-    labels: bool = typer.Option(True, "--labels/--no-labels", help="Set the GPU feature discovery labels."),
-    capacity: bool = typer.Option(
-        True,
-        "--capacity/--no-capacity",
-        help="Patch the extended-resource capacity (warns when a device plugin owns it).",
-    ),
-    dry_run: bool = typer.Option(
-        False, "--dry-run", help="Read the node and print the patches; change nothing."
-    ),
-    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
-    kubeconfig: Optional[str] = _KUBE["kubeconfig"],  # noqa: UP045
-    context: Optional[str] = _KUBE["context"],  # noqa: UP045
-    server: Optional[str] = _KUBE["server"],  # noqa: UP045
+    ctx: click.Context,
+    node: str | None,
+    resource: str,
+    count: int | None,
+    labels: bool,
+    capacity: bool,
+    dry_run: bool,
+    as_json: bool,
+    kubeconfig: str | None,
+    context: str | None,
+    server: str | None,
 ) -> None:
     """Set the node's GPU capacity (JSON patch on nodes/status) and GPU labels (merge patch on the node)."""
     from gpunode import advertise as adv
-    from gpunode.cli.main import state
+    from gpunode.cli.state import state
     from gpunode.errors import UsageError
 
     host = state(ctx).host
@@ -100,30 +107,30 @@ def advertise(
     _render(change, dry_run=dry_run, as_json=as_json, withdraw=False)
 
 
-@app.command("withdraw")
+@app.command("withdraw", epilog=exit_codes("0    withdrawn (or nothing of gpunode's was there)", _API))
+@click.option("--node", metavar="NAME", help="Node name (default as for advertise).")
+@click.option(
+    "--resource",
+    metavar="NAME",
+    help="Also remove this resource's capacity (default: only what gpunode advertised).",
+)
+@click.option("--dry-run", is_flag=True, help="Read the node and print the patches; change nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@kube_options
+@click.pass_context
 def withdraw(
-    ctx: typer.Context,
-    node: Optional[str] = typer.Option(  # noqa: UP045
-        None, "--node", metavar="NAME", help="Node name (default as for advertise).", show_default=False
-    ),
-    resource: Optional[str] = typer.Option(  # noqa: UP045
-        None,
-        "--resource",
-        metavar="NAME",
-        help="Also remove this resource's capacity (default: only what gpunode advertised).",
-        show_default=False,
-    ),
-    dry_run: bool = typer.Option(
-        False, "--dry-run", help="Read the node and print the patches; change nothing."
-    ),
-    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
-    kubeconfig: Optional[str] = _KUBE["kubeconfig"],  # noqa: UP045
-    context: Optional[str] = _KUBE["context"],  # noqa: UP045
-    server: Optional[str] = _KUBE["server"],  # noqa: UP045
+    ctx: click.Context,
+    node: str | None,
+    resource: str | None,
+    dry_run: bool,
+    as_json: bool,
+    kubeconfig: str | None,
+    context: str | None,
+    server: str | None,
 ) -> None:
     """Remove the capacity and the labels gpunode set (labels set by anything else stay)."""
     from gpunode import advertise as adv
-    from gpunode.cli.main import state
+    from gpunode.cli.state import state
 
     host = state(ctx).host
     with _client(host, kubeconfig, context, server) as client:
@@ -169,21 +176,21 @@ def _render(change: Change, *, dry_run: bool, as_json: bool, withdraw: bool) -> 
         )
         return
     would = "would " if dry_run else ""
-    typer.echo(f"node {change.node} (from {change.node_source})")
+    click.echo(f"node {change.node} (from {change.node_source})")
     for warning in change.warnings:
-        typer.echo(f"warning: {warning}")
+        click.echo(f"warning: {warning}")
     if change.changes_nothing:
         what = "nothing gpunode advertised is left on it" if withdraw else "already advertised as wanted"
-        typer.echo(f"{what}: nothing to change")
+        click.echo(f"{what}: nothing to change")
         return
     for op in change.capacity_ops:
         if op["op"] == "remove":
-            typer.echo(f"{would}remove {op['path']}")
+            click.echo(f"{would}remove {op['path']}")
         elif op.get("value") != {}:
-            typer.echo(f"{would}set {op['path']} = {op['value']}")
+            click.echo(f"{would}set {op['path']} = {op['value']}")
     for key, value in sorted(change.labels_set.items()):
-        typer.echo(f"{would}label {key}={value}")
+        click.echo(f"{would}label {key}={value}")
     for key in change.labels_removed:
-        typer.echo(f"{would}remove label {key}")
+        click.echo(f"{would}remove label {key}")
     if dry_run:
-        typer.echo("dry run: nothing was changed")
+        click.echo("dry run: nothing was changed")

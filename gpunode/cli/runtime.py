@@ -6,10 +6,11 @@ import os
 import sys
 from collections.abc import Callable
 from types import ModuleType
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
-import typer
+import click
 
+from gpunode.cli.common import Command, exit_codes
 from gpunode.errors import UsageError
 from gpunode.runtimes.plan import DEFAULT_RUNTIME_PATH
 
@@ -19,73 +20,102 @@ if TYPE_CHECKING:
     from gpunode.runtimes.plan import RuntimePlan
 
 
+@click.command(
+    "configure-runtime",
+    cls=Command,
+    epilog=exit_codes(
+        "0    configured, reverted or removed (or already so: nothing changed)",
+        "1    the restart was not confirmed (nothing changed)",
+    ),
+)
+@click.argument(
+    "runtime",
+    required=False,
+    metavar="[RUNTIME]",
+    # A plain string: choose_runtime names the runtimes it knows when it refuses one.
+    shell_complete=lambda ctx, param, incomplete: [
+        r for r in ("docker", "containerd", "crio") if r.startswith(incomplete)
+    ],
+)
+@click.option(
+    "--config",
+    metavar="PATH",
+    help="The configuration file. Default: the runtime's standard one (k3s/RKE2/microk8s: the template).",
+)
+@click.option("--set-as-default", is_flag=True, help="Make it the default runtime.")
+@click.option("--cdi", is_flag=True, help="Enable CDI where the runtime supports it.")
+@click.option(
+    "--runtime-path",
+    default=DEFAULT_RUNTIME_PATH,
+    show_default=True,
+    metavar="PATH",
+    help="The nvidia-container-runtime binary.",
+)
+@click.option(
+    "--runtime-name", default="nvidia", show_default=True, metavar="NAME", help="The runtime's name."
+)
+@click.option(
+    "--drop-in",
+    metavar="PATH",
+    help="containerd: put the runtime in this drop-in, imported by the main file. "
+    "CRI-O: the drop-in to write (default /etc/crio/crio.conf.d/99-nvidia.toml).",
+)
+@click.option(
+    "--in-place", is_flag=True, help="Edit the main file itself (containerd's default; CRI-O: crio.conf)."
+)
+@click.option(
+    "--effective",
+    is_flag=True,
+    help="Ask the runtime for its effective configuration (CRI-O: `crio config`) to decide what to "
+    "change and to check the result before writing.",
+)
+@click.option("--dry-run", is_flag=True, help="Print the diff of every file; change nothing.")
+@click.option(
+    "--restart/--no-restart",
+    default=None,
+    help="Restart the runtime and check it came back. Default: on, unless --config points elsewhere.",
+)
+@click.option(
+    "--revert", is_flag=True, help="Put back the configuration as it was before gpunode changed it."
+)
+@click.option(
+    "--remove",
+    is_flag=True,
+    help="Take the runtime (--runtime-name) out of configuration gpunode did not write; "
+    "the default goes back to runc (undo with --revert).",
+)
+@click.option("--yes", "-y", is_flag=True, help="Restart the runtime without asking (unattended use).")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print one JSON document (schema gpunode.configure-runtime/v1): the plan with --dry-run, the "
+    "result otherwise; a restart then needs --yes.",
+)
+@click.pass_context
 def configure_runtime(
-    ctx: typer.Context,
-    runtime: Optional[str] = typer.Argument(  # noqa: UP045 (typer reads the annotation at runtime)
-        None,
-        metavar="[docker|containerd|crio]",
-        help="The runtime to configure. Default: the one kubelet uses, else the one installed.",
-        show_default=False,
-    ),
-    config: Optional[str] = typer.Option(  # noqa: UP045
-        None,
-        "--config",
-        metavar="PATH",
-        help="The configuration file. Default: the runtime's standard one (k3s/RKE2/microk8s: the template).",
-    ),
-    set_as_default: bool = typer.Option(False, "--set-as-default", help="Make it the default runtime."),
-    cdi: bool = typer.Option(False, "--cdi", help="Enable CDI where the runtime supports it."),
-    runtime_path: str = typer.Option(
-        DEFAULT_RUNTIME_PATH, "--runtime-path", metavar="PATH", help="The nvidia-container-runtime binary."
-    ),
-    runtime_name: str = typer.Option("nvidia", "--runtime-name", metavar="NAME", help="The runtime's name."),
-    drop_in: Optional[str] = typer.Option(  # noqa: UP045
-        None,
-        "--drop-in",
-        metavar="PATH",
-        help="containerd: put the runtime in this drop-in, imported by the main file. "
-        "CRI-O: the drop-in to write (default /etc/crio/crio.conf.d/99-nvidia.toml).",
-    ),
-    in_place: bool = typer.Option(
-        False, "--in-place", help="Edit the main file itself (containerd's default; CRI-O: crio.conf)."
-    ),
-    effective: bool = typer.Option(
-        False,
-        "--effective",
-        help="Ask the runtime for its effective configuration (CRI-O: `crio config`) to decide what to "
-        "change and to check the result before writing.",
-    ),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Print the diff of every file; change nothing."),
-    restart: Optional[bool] = typer.Option(  # noqa: UP045
-        None,
-        "--restart/--no-restart",
-        help="Restart the runtime and check it came back. Default: on, unless --config points elsewhere.",
-        show_default=False,
-    ),
-    revert: bool = typer.Option(
-        False, "--revert", help="Put back the configuration as it was before gpunode changed it."
-    ),
-    remove: bool = typer.Option(
-        False,
-        "--remove",
-        help="Take the runtime (--runtime-name) out of configuration gpunode did not write; "
-        "the default goes back to runc (undo with --revert).",
-    ),
-    yes: bool = typer.Option(
-        False, "--yes", "-y", help="Restart the runtime without asking (unattended use)."
-    ),
-    as_json: bool = typer.Option(
-        False,
-        "--json",
-        help="Print one JSON document (schema gpunode.configure-runtime/v1): the plan with --dry-run, the "
-        "result otherwise; a restart then needs --yes.",
-    ),
+    ctx: click.Context,
+    runtime: str | None,
+    config: str | None,
+    set_as_default: bool,
+    cdi: bool,
+    runtime_path: str,
+    runtime_name: str,
+    drop_in: str | None,
+    in_place: bool,
+    effective: bool,
+    dry_run: bool,
+    restart: bool | None,
+    revert: bool,
+    remove: bool,
+    yes: bool,
+    as_json: bool,
 ) -> None:
     """Add the NVIDIA runtime to docker, containerd or CRI-O: atomically, with a backup and a way back.
 
-    Exit status 0 when configured (or already so); see the README for the others.
+    RUNTIME is docker, containerd or crio. Default: the one kubelet uses, else the one installed.
     """
-    from gpunode.cli.main import state
+    from gpunode.cli.state import state
     from gpunode.runtimes import configure, records
     from gpunode.runtimes.plan import ConfigureOptions
 
@@ -114,7 +144,7 @@ def configure_runtime(
     )
     chosen, why = configure.choose_runtime(host, runtime)
     if why and not as_json:
-        typer.echo(why)
+        click.echo(why)
     hint = ["gpunode"] + ([f"--root {host.root}"] if not host.is_real_root else [])
     hint += ["configure-runtime", chosen, "--revert"]  # the record is per runtime: no file needed
     if dry_run:
@@ -214,44 +244,44 @@ def _render_plan(plan: RuntimePlan, *, dry_run: bool) -> None:
     for change in plan.pending:
         sys.stdout.write(change.diff())
     for message in plan.messages:
-        typer.echo(f"note: {message}")
+        click.echo(f"note: {message}")
     if not plan.pending:
         files = ", ".join(c.path for c in plan.changes)
-        typer.echo(
+        click.echo(
             f"{plan.runtime}: nothing to revert ({files} already as before gpunode)"
             if plan.revert
             else f"{plan.runtime} is already configured: nothing to change ({files} untouched)"
         )
     elif dry_run:
-        typer.echo(f"dry run: {len(plan.pending)} file(s) would change; nothing was changed")
+        click.echo(f"dry run: {len(plan.pending)} file(s) would change; nothing was changed")
 
 
 def _render_restart(host: Host, plan: RuntimePlan, *, dry_run: bool) -> None:
     from gpunode.runtimes import service
 
     commands = service.restart_commands(host, plan)
-    typer.echo(f"{'would run' if dry_run else 'will run'}: {' '.join(commands[0])}")
-    typer.echo(f"then wait until {plan.runtime} answers: {' '.join(commands[1])}")
+    click.echo(f"{'would run' if dry_run else 'will run'}: {' '.join(commands[0])}")
+    click.echo(f"then wait until {plan.runtime} answers: {' '.join(commands[1])}")
     if dry_run:
-        typer.echo(f"note: {service.disruption(host, plan)}")
+        click.echo(f"note: {service.disruption(host, plan)}")
 
 
 def _render_outcome(outcome: Outcome, restarted: bool, revert_hint: str) -> None:
     plan = outcome.plan
     for path in outcome.written:
-        typer.echo(f"{'restored' if plan.revert else 'wrote'} {path}")
+        click.echo(f"{'restored' if plan.revert else 'wrote'} {path}")
     for path in outcome.removed:
-        typer.echo(f"removed {path}")
+        click.echo(f"removed {path}")
     for backup in outcome.backups:
-        typer.echo(f"the original is kept in {backup}")
+        click.echo(f"the original is kept in {backup}")
     if outcome.verified:
-        typer.echo(f"verified: {outcome.verified}")
+        click.echo(f"verified: {outcome.verified}")
     if outcome.restarted:
-        typer.echo(f"restarted {plan.unit}: {outcome.restarted}")
+        click.echo(f"restarted {plan.unit}: {outcome.restarted}")
     elif outcome.restart_pending or (outcome.changed and not restarted):
-        typer.echo(
+        click.echo(
             f"restart {plan.runtime} for the change to take effect (systemctl restart {plan.unit}, or run "
             "this command again with --restart)"
         )
     if outcome.changed and not plan.revert:
-        typer.echo(f"undo with: {revert_hint}")
+        click.echo(f"undo with: {revert_hint}")

@@ -2,79 +2,73 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
-import typer
+import click
 
+from gpunode.cli.common import Command, exit_codes
 from gpunode.cli.node import kube_options
 
 if TYPE_CHECKING:
     from gpunode.up import Step
 
-_KUBE = kube_options()
 
-
+@click.command(
+    "up",
+    cls=Command,
+    epilog=exit_codes(
+        "0    the node is set up (or already was: nothing changed)",
+        "1    preflight found the node not ready, or the confirmation was declined (nothing changed)",
+    ),
+)
+@click.option("--toolkit-version", metavar="X.Y.Z", help="Pin nvidia-container-toolkit.")
+@click.option("--repo-url", metavar="URL", help="Mirror of NVIDIA's repositories.")
+@click.option("--key-file", metavar="PATH", help="The repositories' signing key, from a file.")
+@click.option("--key-fingerprint", metavar="FPR", help="Trust this key instead of NVIDIA's.")
+@click.option(
+    "--runtime",
+    metavar="RUNTIME",
+    help="Container runtime to configure: docker, containerd or crio (default: the one kubelet uses).",
+)
+@click.option("--plugin-config", metavar="FILE", help="Device plugin TOML config to install.")
+@click.option("--labels/--no-labels", default=True, help="Set the GPU labels (needs API credentials).")
+@click.option("--node", metavar="NAME", help="Node name for the labels.")
+@click.option("--dry-run", is_flag=True, help="Print the plan; change nothing.")
+@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation (unattended use).")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print one JSON document (schema gpunode.up/v1): the plan, then each step's result.",
+)
+@kube_options
+@click.pass_context
 def up(
-    ctx: typer.Context,
-    toolkit_version: Optional[str] = typer.Option(  # noqa: UP045 (typer reads the annotation at runtime)
-        None, "--toolkit-version", metavar="X.Y.Z", help="Pin nvidia-container-toolkit.", show_default=False
-    ),
-    repo_url: Optional[str] = typer.Option(  # noqa: UP045
-        None, "--repo-url", metavar="URL", help="Mirror of NVIDIA's repositories.", show_default=False
-    ),
-    key_file: Optional[str] = typer.Option(  # noqa: UP045
-        None,
-        "--key-file",
-        metavar="PATH",
-        help="The repositories' signing key, from a file.",
-        show_default=False,
-    ),
-    key_fingerprint: Optional[str] = typer.Option(  # noqa: UP045
-        None,
-        "--key-fingerprint",
-        metavar="FPR",
-        help="Trust this key instead of NVIDIA's.",
-        show_default=False,
-    ),
-    runtime: Optional[str] = typer.Option(  # noqa: UP045
-        None,
-        "--runtime",
-        metavar="docker|containerd|crio",
-        help="Container runtime to configure (default: the one kubelet uses).",
-        show_default=False,
-    ),
-    plugin_config: Optional[str] = typer.Option(  # noqa: UP045
-        None,
-        "--plugin-config",
-        metavar="FILE",
-        help="Device plugin TOML config to install.",
-        show_default=False,
-    ),
-    labels: bool = typer.Option(
-        True, "--labels/--no-labels", help="Set the GPU labels (needs API credentials)."
-    ),
-    node: Optional[str] = typer.Option(  # noqa: UP045
-        None, "--node", metavar="NAME", help="Node name for the labels.", show_default=False
-    ),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan; change nothing."),
-    yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation (unattended use)."),
-    as_json: bool = typer.Option(
-        False,
-        "--json",
-        help="Print one JSON document (schema gpunode.up/v1): the plan, then each step's result.",
-    ),
-    kubeconfig: Optional[str] = _KUBE["kubeconfig"],  # noqa: UP045
-    context: Optional[str] = _KUBE["context"],  # noqa: UP045
-    server: Optional[str] = _KUBE["server"],  # noqa: UP045
+    ctx: click.Context,
+    toolkit_version: str | None,
+    repo_url: str | None,
+    key_file: str | None,
+    key_fingerprint: str | None,
+    runtime: str | None,
+    plugin_config: str | None,
+    labels: bool,
+    node: str | None,
+    dry_run: bool,
+    yes: bool,
+    as_json: bool,
+    kubeconfig: str | None,
+    context: str | None,
+    server: str | None,
 ) -> None:
     """Make this a working GPU node: preflight, toolkit, container runtime, device plugin, labels.
 
     Idempotent: prints the plan first, then each step's result; a configured node changes nothing.
+    A failed step stops it with that step's exit status, naming the steps not done.
     """
     from dataclasses import replace
 
     from gpunode.cli.common import refuse_foreign_root
-    from gpunode.cli.main import state
+    from gpunode.cli.state import state
     from gpunode.errors import ExitCode, GpunodeError
     from gpunode.nvml.discovery import discover
     from gpunode.up import UpOptions, plan_up
@@ -93,7 +87,7 @@ def up(
         kubeconfig=kubeconfig,
         context=context,
         server=server,
-        on_output=lambda line: typer.echo(f"    | {line}"),
+        on_output=lambda line: click.echo(f"    | {line}"),
     )
     if as_json:
         from gpunode import jsonout
@@ -104,7 +98,7 @@ def up(
     blocked = next((s for s in steps if s.blocked), None)
     if blocked is not None and blocked.error is None:
         blocked.error = GpunodeError(
-            blocked.blocked,
+            blocked.blocked or "preflight failed",  # never empty here: the step was picked for it
             blocked.fix or "run `gpunode doctor` for the details",
             exit_code=ExitCode.UNHEALTHY,
         )
@@ -154,7 +148,7 @@ def run_plan(
             )
             jsonout.emit(doc)
         else:
-            typer.echo(nothing if not needed else "dry run: nothing was changed")
+            click.echo(nothing if not needed else "dry run: nothing was changed")
         return
     warnings = [w for s in steps if s.needed for w in s.warnings]
     if as_json and not yes:
@@ -168,21 +162,21 @@ def run_plan(
         if as_json:
             jsonout.update(steps=[_step_json(s, results.get(s.name)) for s in steps])
         else:
-            typer.echo(f"==> [{n}/{total}] {step.name}: {step.summary}")
+            click.echo(f"==> [{n}/{total}] {step.name}: {step.summary}")
 
     # Each step's apply plans it again itself, just before it runs (an earlier step may have changed what
     # it sees), so the plan printed above is not re-made here.
     for step, result in run_steps(steps, on_step):
         results[step.name] = result
         if not as_json:
-            typer.echo(f"    {step.name}: {result}")
+            click.echo(f"    {step.name}: {result}")
     if as_json:
         doc = jsonout.document(
             command, changed=True, dry_run=False, steps=[_step_json(s, results.get(s.name)) for s in steps]
         )
         jsonout.emit(doc)
     else:
-        typer.echo(finished)
+        click.echo(finished)
 
 
 def _step_json(step: Step, result: str | None = None) -> dict[str, object]:
@@ -201,16 +195,16 @@ def _step_json(step: Step, result: str | None = None) -> dict[str, object]:
 
 
 def print_plan(steps: list[Step], *, verbose: bool) -> None:
-    typer.echo("plan:")
+    click.echo("plan:")
     for step in steps:
         mark = (
             "blocked" if step.blocked else "to do" if step.needed else "skipped" if step.skipped else "done"
         )
-        typer.echo(f"  [{mark:>7}] {step.name}: {step.summary}")
+        click.echo(f"  [{mark:>7}] {step.name}: {step.summary}")
         if verbose:
             for line in step.details:
-                typer.echo(
+                click.echo(
                     "".join(f"            {text}\n" for text in line.rstrip("\n").splitlines()), nl=False
                 )
         if step.fix and (step.blocked or not step.needed):
-            typer.echo(f"            fix: {step.fix}")
+            click.echo(f"            fix: {step.fix}")

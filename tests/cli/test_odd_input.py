@@ -137,12 +137,12 @@ def test_a_closed_pipe_ends_quietly_with_141(args: tuple[str, ...]) -> None:
 
 
 def test_ctrl_c_while_importing_is_a_quiet_130() -> None:
-    """Ctrl-C lands while typer is being imported (a meta-path hook raises it there, deterministically)."""
+    """Ctrl-C lands while click is being imported (a meta-path hook raises it there, deterministically)."""
     child = (
         "import sys\n"
         "class CtrlC:\n"
         "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name == 'typer':\n"
+        "        if name == 'click':\n"
         "            raise KeyboardInterrupt\n"
         "sys.meta_path.insert(0, CtrlC())\n"
         "from gpunode.cli.entry import run\n"
