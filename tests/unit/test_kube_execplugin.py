@@ -9,6 +9,7 @@ import base64
 import json
 import logging
 import os
+import pty
 import sys
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
@@ -45,12 +46,19 @@ import json, os, sys, time
 stem = os.path.splitext(os.path.abspath(__file__))[0]
 with open(stem + ".json") as f:
     conf = json.load(f)
+info = json.loads(os.environ.get("KUBERNETES_EXEC_INFO", "null"))
+interactive = bool(info and info["spec"]["interactive"])
+# Not interactive, stdin must be empty (/dev/null); interactive, a line is read from the terminal.
+if not interactive:
+    stdin = sys.stdin.read(64)
+else:
+    stdin = sys.stdin.readline() if conf.get("prompt") else None
 record = {{
     "argv": sys.argv[1:],
-    "info": json.loads(os.environ.get("KUBERNETES_EXEC_INFO", "null")),
+    "info": info,
     "env": {{k: os.environ.get(k) for k in conf.get("show_env", [])}},
     "stdin_tty": os.isatty(0),
-    "stdin": sys.stdin.read(64) if not os.isatty(0) else None,
+    "stdin": stdin,
 }}
 with open(stem + ".runs", "a") as f:
     f.write(json.dumps(record) + "\\n")
@@ -467,6 +475,29 @@ def test_if_available_with_a_terminal_is_interactive(node: Node, monkeypatch: py
     node.kubeconfig(exec_v1(interactiveMode="IfAvailable"))
     node.get()
     assert node.plugin.runs[0]["info"]["spec"] == {"interactive": True}
+
+
+def test_always_on_a_real_terminal_reads_from_it(node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
+    # gpunode's standard input becomes a pseudo-terminal with a line typed on it: the plugin (run with
+    # the terminal handed over) must see a terminal and read that line.
+    monkeypatch.undo()  # the real terminal test, not the fixture's "no terminal"
+    execplugin.forget_all()
+    node.plugin.set(token=TOKEN, prompt=True)
+    node.kubeconfig(exec_v1(interactiveMode="Always"))
+    main, replica = pty.openpty()
+    saved = os.dup(0)
+    try:
+        os.write(main, b"typed-at-the-prompt\n")
+        os.dup2(replica, 0)
+        node.get()
+    finally:
+        os.dup2(saved, 0)
+        for fd in (saved, main, replica):
+            os.close(fd)
+    (run,) = node.plugin.runs
+    assert run["info"]["spec"] == {"interactive": True}
+    assert run["stdin_tty"] is True
+    assert run["stdin"] == "typed-at-the-prompt\n"
 
 
 def test_never_is_not_interactive_even_with_a_terminal(node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
