@@ -1,0 +1,183 @@
+"""`gpunode cdi install`: keep the spec true without anyone remembering to regenerate it.
+
+The mechanism, and why:
+
+- a systemd oneshot, `gpunode-cdi.service`, runs `gpunode cdi generate` at boot, ordered before the
+  container runtimes, kubelet and the device plugin: a new kernel module (a driver upgrade takes effect at
+  the reboot) and device nodes renumbered at boot are in the spec before any pod starts;
+- a path unit, `gpunode-cdi.path`, starts it whenever the dynamic linker's cache changes: every driver
+  package (deb, rpm, the .run installer) runs `ldconfig` after putting its libraries in place, so a
+  library upgrade is followed by a new spec within a second, with no polling and no package hook to install
+  per distribution;
+- a MIG geometry change touches no file (only /proc, which inotify cannot watch): whoever repartitions
+  (mig-parted, an operator) runs `systemctl start gpunode-cdi.service` or `gpunode cdi generate`, and the
+  device plugin refuses to start while its devices are not in the spec, which names the fix.
+
+udev was not chosen: it sees device nodes appear, not library upgrades, and a long-running program started
+from a udev rule is killed. Regenerating an unchanged node writes nothing (same bytes), so a spurious
+trigger costs one NVML read.
+
+It also closes the NVIDIA_VISIBLE_DEVICES exposure: with `accept-nvidia-visible-devices-envvar-when-
+unprivileged = false` in nvidia-container-runtime's config, an unprivileged container's own environment
+no longer selects GPUs; only what it was allocated (CDI, volume mounts) does.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+
+from gpunode.cdi.check import ENVVAR_KEY, TOOLKIT_CONFIG, envvar_setting
+from gpunode.cdi.generate import GenerateOptions, default_output
+from gpunode.cdi.hostfacts import LD_CACHE
+from gpunode.errors import ConfigError, GpunodeError
+from gpunode.host import Host
+
+SERVICE = "gpunode-cdi.service"
+PATH_UNIT = "gpunode-cdi.path"
+UNIT_DIR = "/etc/systemd/system"
+BACKUP_DIR = "/var/lib/gpunode/backup"
+SYSTEMCTL_TIMEOUT = 60.0
+
+
+@dataclass(frozen=True)
+class FileChange:
+    path: str
+    content: str
+    old: str | None
+
+    @property
+    def changed(self) -> bool:
+        return self.content != self.old
+
+
+@dataclass(frozen=True)
+class InstallPlan:
+    files: tuple[FileChange, ...]
+    commands: tuple[tuple[str, ...], ...]
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def changed(self) -> bool:
+        return any(f.changed for f in self.files)
+
+
+def generate_argv(executable: str, options: GenerateOptions) -> list[str]:
+    argv = [executable, "cdi", "generate"]
+    if options.kind != GenerateOptions().kind:
+        argv += ["--kind", options.kind]
+    if options.driver_root != "/":
+        argv += ["--driver-root", options.driver_root]
+    if options.dev_root:
+        argv += ["--dev-root", options.dev_root]
+    if options.output and options.output != default_output(options.kind):
+        argv += ["--output", options.output]
+    if options.hook_program:
+        argv += ["--hook-program", options.hook_program]
+    return argv
+
+
+def render_service(executable: str, options: GenerateOptions) -> str:
+    from gpunode.systemd.service import exec_path
+
+    argv = generate_argv(executable, options)
+    command = " ".join([exec_path(argv[0]), *(shlex.quote(a) for a in argv[1:])])
+    return (
+        "# Written by `gpunode cdi install`: regenerates gpunode's CDI spec (a run that finds nothing\n"
+        "# changed writes nothing). Started at boot, and by gpunode-cdi.path when the linker cache changes.\n"
+        "[Unit]\n"
+        "Description=gpunode: regenerate the CDI spec of the NVIDIA GPUs\n"
+        "After=systemd-modules-load.service nvidia-persistenced.service\n"
+        "Before=containerd.service crio.service docker.service kubelet.service\n"
+        "Before=gpunode-device-plugin.service\n"
+        "\n"
+        "[Service]\n"
+        "Type=oneshot\n"
+        f"ExecStart={command}\n"
+        "\n"
+        "[Install]\n"
+        "WantedBy=multi-user.target\n"
+    )
+
+
+def render_path_unit(options: GenerateOptions) -> str:
+    cache = options.roots.driver(LD_CACHE)
+    return (
+        "# Written by `gpunode cdi install`: a driver package runs ldconfig after installing its libraries,\n"
+        "# which replaces the linker cache; the CDI spec is then regenerated.\n"
+        "[Unit]\n"
+        "Description=gpunode: watch the driver's libraries for the CDI spec\n"
+        "\n"
+        "[Path]\n"
+        f"PathChanged={cache}\n"
+        f"Unit={SERVICE}\n"
+        "\n"
+        "[Install]\n"
+        "WantedBy=multi-user.target\n"
+    )
+
+
+def plan_install(
+    host: Host, options: GenerateOptions, executable: str, *, restrict_envvar: bool
+) -> InstallPlan:
+    files = [
+        FileChange(
+            f"{UNIT_DIR}/{SERVICE}", render_service(executable, options), _read(host, f"{UNIT_DIR}/{SERVICE}")
+        ),
+        FileChange(
+            f"{UNIT_DIR}/{PATH_UNIT}", render_path_unit(options), _read(host, f"{UNIT_DIR}/{PATH_UNIT}")
+        ),
+    ]
+    notes: list[str] = []
+    if restrict_envvar:
+        old = _read(host, TOOLKIT_CONFIG)
+        if old is None:
+            notes.append(
+                f"{TOOLKIT_CONFIG} does not exist: install nvidia-container-toolkit, then run this again"
+            )
+        elif envvar_setting(old) is not False:
+            files.append(FileChange(TOOLKIT_CONFIG, _with_envvar_off(old), old))
+    commands: list[tuple[str, ...]] = []
+    if host.is_dir("/run/systemd/system"):
+        commands = [
+            ("systemctl", "daemon-reload"),
+            ("systemctl", "enable", SERVICE, PATH_UNIT),
+            ("systemctl", "start", PATH_UNIT),
+            ("systemctl", "start", SERVICE),
+        ]
+    else:
+        notes.append("systemd is not running here: the units are written and enabled at the next boot")
+        commands = [("systemctl", f"--root={host.root}", "enable", SERVICE, PATH_UNIT)]
+    return InstallPlan(tuple(files), tuple(commands), tuple(notes))
+
+
+def _with_envvar_off(text: str) -> str:
+    import tomlkit
+
+    try:
+        doc = tomlkit.parse(text)
+    except Exception as exc:  # tomlkit's parse errors share no useful base class
+        raise ConfigError(f"{TOOLKIT_CONFIG} is not valid TOML: {exc}", f"fix {TOOLKIT_CONFIG}") from exc
+    doc[ENVVAR_KEY] = False
+    return tomlkit.dumps(doc)
+
+
+def _read(host: Host, path: str) -> str | None:
+    try:
+        return host.read_text_if_exists(path)
+    except GpunodeError:
+        return None
+
+
+def apply_install(host: Host, plan: InstallPlan) -> None:
+    for change in plan.files:
+        if not change.changed:
+            continue
+        backup = (
+            f"{BACKUP_DIR}{change.path}" if change.old is not None and change.path == TOOLKIT_CONFIG else None
+        )
+        host.write_file(
+            change.path, change.content, mode=0o644, make_parents=True, backup_to=backup, expect=change.old
+        )
+    for argv in plan.commands:
+        host.run(argv, timeout=SYSTEMCTL_TIMEOUT).check()
