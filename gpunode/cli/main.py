@@ -60,6 +60,12 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "app",
         "The embedded Kubernetes device plugin (deviceplugin v1beta1).",
     ),
+    "cdi": (
+        "gpunode.cli.cdi",
+        "app",
+        "The CDI (Container Device Interface) spec of this node's GPUs: generate it, list what the runtimes "
+        "see, check it is current.",
+    ),
     "node": (
         "gpunode.cli.node",
         "app",

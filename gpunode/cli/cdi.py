@@ -1,0 +1,315 @@
+"""`gpunode cdi generate | list | check | install`: wiring and rendering; the work is in gpunode.cdi."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import click
+
+from gpunode.cli.common import Group, exit_codes
+from gpunode.errors import ExitCode
+
+if TYPE_CHECKING:
+    from gpunode.cdi.generate import GenerateOptions
+    from gpunode.host import Host
+    from gpunode.nvml.model import Inventory
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@click.group(
+    "cdi",
+    cls=Group,
+    help="The CDI (Container Device Interface) spec of this node's GPUs: generate it, list what the "
+    "runtimes see, check it is current.",
+    epilog=exit_codes("0    done; each command's --help lists what else it exits with"),
+)
+def app() -> None:
+    pass
+
+
+def _spec_options(func: F) -> F:
+    for option in reversed(
+        (
+            click.option(
+                "--kind",
+                default="nvidia.com/gpu",
+                show_default=True,
+                metavar="VENDOR/CLASS",
+                help="The CDI kind: devices are named VENDOR/CLASS=<name>.",
+            ),
+            click.option(
+                "--driver-root",
+                default="/",
+                show_default=True,
+                metavar="DIR",
+                help="Where the driver's files are (a driver container: /run/nvidia/driver).",
+            ),
+            click.option(
+                "--dev-root", metavar="DIR", help="Where the driver's /dev is. Default: the driver root."
+            ),
+            click.option(
+                "--output",
+                metavar="PATH",
+                help="The spec file (.yaml or .json). Default: /var/run/cdi/gpunode-<vendor>-<class>.yaml.",
+            ),
+        )
+    ):
+        func = option(func)
+    return func
+
+
+def _options(
+    kind: str, driver_root: str, dev_root: str | None, output: str | None, hook_program: str | None = None
+) -> GenerateOptions:
+    from gpunode.cdi.generate import GenerateOptions
+    from gpunode.errors import UsageError
+
+    for name, value in (("--driver-root", driver_root), ("--dev-root", dev_root), ("--output", output)):
+        if value is not None and not value.startswith("/"):
+            raise UsageError(f"{name} {value!r} is not an absolute path", f"give {name} as an absolute path")
+    return GenerateOptions(
+        kind=kind,
+        driver_root=driver_root.rstrip("/") or "/",
+        dev_root=(dev_root.rstrip("/") or "/") if dev_root else None,
+        output=output,
+        hook_program=hook_program,
+    )
+
+
+def _inventory(host: Host) -> Inventory:
+    from gpunode.nvml import discover
+
+    return discover(host)
+
+
+@app.command(
+    "generate",
+    epilog=exit_codes(
+        "0    written (or already current: the file is left untouched)",
+        "6    a device node or the driver's libraries were not found",
+        "7    NVML cannot be used",
+    ),
+)
+@_spec_options
+@click.option(
+    "--hook-program",
+    metavar="PATH",
+    help="The ldcache hook's program (nvidia-cdi-hook or nvidia-ctk). Default: found on PATH.",
+)
+@click.option("--dry-run", is_flag=True, help="Print the spec; write nothing.")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print one JSON document (schema gpunode.cdi-generate/v1) with the devices and the spec.",
+)
+@click.pass_context
+def generate(
+    ctx: click.Context,
+    kind: str,
+    driver_root: str,
+    dev_root: str | None,
+    output: str | None,
+    hook_program: str | None,
+    dry_run: bool,
+    as_json: bool,
+) -> None:
+    """Write the CDI spec of this node's GPUs, from NVML: each GPU by index and UUID, each MIG device as
+    <gpu>:<mig> and by UUID, and `all`; a spec that is already current is not rewritten."""
+    from gpunode import jsonout
+    from gpunode.cdi.generate import generate as make_spec
+    from gpunode.cdi.generate import write_spec
+    from gpunode.cli.state import state
+    from gpunode.errors import NotFound
+
+    if as_json:
+        jsonout.request("cdi-generate", dry_run=dry_run)
+    host = state(ctx).host
+    options = _options(kind, driver_root, dev_root, output, hook_program)
+    inventory = _inventory(host)
+    generated = make_spec(host, inventory, options)
+    if not generated.spec["devices"]:
+        raise NotFound(
+            "NVML reports no usable GPU: there is nothing to put in a CDI spec",
+            "check `nvidia-smi` and `gpunode doctor`",
+        )
+    changed = False if dry_run else write_spec(host, generated)
+    if as_json:
+        jsonout.emit(
+            jsonout.document(
+                "cdi-generate",
+                changed=changed,
+                dry_run=dry_run,
+                path=generated.path,
+                format=generated.fmt,
+                kind=generated.spec["kind"],
+                cdi_version=generated.spec["cdiVersion"],
+                driver_version=generated.driver_version,
+                gpus=generated.gpus,
+                mig_devices=generated.mig_devices,
+                devices=generated.qualified_names,
+                warnings=list(generated.warnings),
+                spec=generated.spec,
+            )
+        )
+        return
+    for warning in generated.warnings:
+        click.echo(f"warning: {warning}", err=True)
+    if dry_run:
+        sys.stdout.write(generated.text)
+        return
+    what = "written" if changed else "already current, left as it is"
+    click.echo(
+        f"{generated.path}: {what} ({len(generated.spec['devices'])} devices of {generated.spec['kind']}: "
+        f"{generated.gpus} GPUs, {generated.mig_devices} MIG devices; driver {generated.driver_version}; "
+        f"cdiVersion {generated.spec['cdiVersion']})"
+    )
+
+
+@app.command("list", epilog=exit_codes("0    listed (a conflict is shown, not an error)"))
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document (schema gpunode.cdi-list/v1).")
+@click.pass_context
+def list_(ctx: click.Context, as_json: bool) -> None:
+    """The CDI devices the node's runtimes see, from /etc/cdi and /var/run/cdi, with the file each comes
+    from; a device shadowed by a later directory or in conflict (dropped by the runtime) says so."""
+    from gpunode import jsonout
+    from gpunode.cdi.registry import list_devices, read_specs
+    from gpunode.cli.state import state
+
+    if as_json:
+        jsonout.request("cdi-list")
+    host = state(ctx).host
+    files = read_specs(host)
+    devices = list_devices(files)
+    if as_json:
+        jsonout.emit(
+            jsonout.document(
+                "cdi-list",
+                changed=False,
+                devices=[
+                    {"name": d.name, "file": d.path, "state": d.state, "detail": d.detail} for d in devices
+                ],
+                files=[
+                    {"path": f.path, "kind": f.kind, "devices": len(f.devices), "problems": list(f.problems)}
+                    for f in files
+                ],
+            )
+        )
+        return
+    if not files:
+        click.echo("no CDI spec in /etc/cdi or /var/run/cdi (`gpunode cdi generate` writes one)")
+        return
+    width = max((len(d.name) for d in devices), default=0)
+    for d in devices:
+        note = "" if d.state == "ok" else f"  [{d.state}: {d.detail}]"
+        click.echo(f"{d.name:<{width}}  {d.path}{note}")
+    for f in files:
+        if f.problems:
+            click.echo(f"{f.path}: ignored by the runtimes: {'; '.join(f.problems)}")
+
+
+@app.command(
+    "check",
+    epilog=exit_codes(
+        "0    the spec is present, current and usable (warnings do not fail)", "1    a check failed"
+    ),
+)
+@_spec_options
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print one JSON document (schema gpunode.cdi-check/v1)."
+)
+@click.pass_context
+def check(
+    ctx: click.Context, kind: str, driver_root: str, dev_root: str | None, output: str | None, as_json: bool
+) -> None:
+    """Is gpunode's CDI spec there, true to the GPUs, MIG devices and driver NVML reports now, its device
+    nodes and files present, alone in the spec directories, and CDI on in each runtime? Each failure has a
+    fix."""
+    from gpunode import jsonout
+    from gpunode.cdi.check import check_cdi
+    from gpunode.cli.doctor import render, render_plain
+    from gpunode.cli.state import state
+    from gpunode.doctor.model import Report
+    from gpunode.errors import NvmlError
+
+    if as_json:
+        jsonout.request("cdi-check")
+    app_state = state(ctx)
+    host = app_state.host
+    options = _options(kind, driver_root, dev_root, output)
+    found: list[Inventory | NvmlError] = []
+
+    def inventory() -> Inventory | NvmlError:
+        if not found:
+            try:
+                found.append(_inventory(host))
+            except NvmlError as err:
+                found.append(err)
+        return found[0]
+
+    report = Report(tuple(check_cdi(host, inventory, options)))
+    if as_json:
+        jsonout.emit(
+            jsonout.document(
+                "cdi-check",
+                changed=False,
+                path=options.path,
+                healthy=report.healthy,
+                counts=report.counts(),
+                checks=[f.to_json() for f in report.findings],
+            )
+        )
+    elif sys.stdout.isatty():
+        render(report, color=app_state.color)
+    else:
+        sys.stdout.write(render_plain(report))
+    raise click.exceptions.Exit(int(ExitCode.OK if report.healthy else ExitCode.UNHEALTHY))
+
+
+@app.command(
+    "install",
+    epilog=exit_codes("0    installed (or already so)", "8    systemctl failed"),
+)
+@_spec_options
+@click.option(
+    "--keep-envvar",
+    is_flag=True,
+    help="Leave nvidia-container-runtime honouring NVIDIA_VISIBLE_DEVICES from unprivileged containers.",
+)
+@click.option("--dry-run", is_flag=True, help="Print the units and changes; change nothing.")
+@click.pass_context
+def install(
+    ctx: click.Context,
+    kind: str,
+    driver_root: str,
+    dev_root: str | None,
+    output: str | None,
+    keep_envvar: bool,
+    dry_run: bool,
+) -> None:
+    """Keep the spec true: a boot-time oneshot (gpunode-cdi.service) and a path unit that regenerates it when
+    the driver's libraries change (gpunode-cdi.path); and stop unprivileged containers from selecting GPUs
+    with NVIDIA_VISIBLE_DEVICES."""
+    from gpunode.cdi.install import apply_install, plan_install
+    from gpunode.cli.state import state
+    from gpunode.systemd.service import gpunode_executable
+
+    host = state(ctx).host
+    options = _options(kind, driver_root, dev_root, output)
+    plan = plan_install(host, options, gpunode_executable(), restrict_envvar=not keep_envvar)
+    for change in plan.files:
+        state_word = "unchanged" if not change.changed else ("new" if change.old is None else "changed")
+        click.echo(f"{change.path}: {state_word}")
+        if dry_run and change.changed:
+            click.echo(change.content)
+    for note in plan.notes:
+        click.echo(f"note: {note}")
+    if dry_run:
+        for argv in plan.commands:
+            click.echo(f"would run: {' '.join(argv)}")
+        return
+    apply_install(host, plan)
+    click.echo("installed: the spec is regenerated at boot and when the driver's libraries change")
