@@ -40,6 +40,7 @@ def down(
     kubeconfig: str | None,
     context: str | None,
     server: str | None,
+    request_timeout: float | None,
 ) -> None:
     """Undo `gpunode up` in reverse: plugin service, node capacity and labels, runtime configuration, and
     with --toolkit the toolkit.
@@ -62,6 +63,7 @@ def down(
         kubeconfig=kubeconfig,
         context=context,
         server=server,
+        request_timeout=request_timeout,
         on_output=lambda line: click.echo(f"    | {line}"),
     )
     if as_json:

@@ -35,9 +35,22 @@ KUBECONFIG_HELP = (
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+def _request_timeout(ctx: click.Context, param: click.Parameter, value: str | None) -> float | None:
+    """kubectl's --request-timeout, checked while parsing (exit 2): seconds, 0 for none, None not given."""
+    if value is None:
+        return None
+    from gpunode.errors import UsageError
+    from gpunode.kube.timeout import parse_request_timeout
+
+    try:
+        return parse_request_timeout(value)
+    except UsageError as exc:
+        raise click.BadParameter(f"{exc.message}; {exc.fix}", ctx=ctx, param=param) from None
+
+
 def kube_options(command: F) -> F:
     """The credential options every command that talks to the API takes (also `gpunode up` and `down`):
-    --kubeconfig, --context, --server."""
+    --kubeconfig, --context, --server, --request-timeout (seconds as a float; 0 no timeout)."""
     for option in reversed(
         (
             click.option("--kubeconfig", metavar="PATH", help=KUBECONFIG_HELP),
@@ -47,6 +60,13 @@ def kube_options(command: F) -> F:
                 metavar="URL",
                 help="API server URL, overriding the kubeconfig's (e.g. `kubectl proxy`'s "
                 "http://127.0.0.1:8001).",
+            ),
+            click.option(
+                "--request-timeout",
+                metavar="DURATION",
+                callback=_request_timeout,
+                help="Give up on a single API request after this long, as kubectl: 30 (seconds), 10s, 1m; "
+                "0 means no timeout (default: 5 s to connect, 30 s to answer).",
             ),
         )
     ):
@@ -91,6 +111,7 @@ def advertise(
     kubeconfig: str | None,
     context: str | None,
     server: str | None,
+    request_timeout: float | None,
 ) -> None:
     """Set the node's GPU capacity (JSON patch on nodes/status) and GPU labels (merge patch on the node)."""
     from gpunode import advertise as adv
@@ -102,7 +123,7 @@ def advertise(
         raise UsageError("--no-labels with --no-capacity leaves nothing to advertise")
     inventory = _inventory(host, need=labels or count is None)
     opts = adv.AdvertiseOptions(node=node, resource=resource, count=count, labels=labels, capacity=capacity)
-    with _client(host, kubeconfig, context, server) as client:
+    with _client(host, kubeconfig, context, server, request_timeout) as client:
         change = adv.advertise(host, client, opts, inventory, dry_run=dry_run)
     _render(change, dry_run=dry_run, as_json=as_json, withdraw=False)
 
@@ -127,13 +148,14 @@ def withdraw(
     kubeconfig: str | None,
     context: str | None,
     server: str | None,
+    request_timeout: float | None,
 ) -> None:
     """Remove the capacity and the labels gpunode set (labels set by anything else stay)."""
     from gpunode import advertise as adv
     from gpunode.cli.state import state
 
     host = state(ctx).host
-    with _client(host, kubeconfig, context, server) as client:
+    with _client(host, kubeconfig, context, server, request_timeout) as client:
         change = adv.withdraw(host, client, node=node, resource=resource, dry_run=dry_run)
     _render(change, dry_run=dry_run, as_json=as_json, withdraw=True)
 
@@ -148,10 +170,22 @@ def _inventory(host: Host, *, need: bool) -> Any:
     return discover(host)
 
 
-def _client(host: Host, kubeconfig: str | None, context: str | None, server: str | None) -> KubeClient:
-    from gpunode.kube.client import KubeClient
+def _client(
+    host: Host,
+    kubeconfig: str | None,
+    context: str | None,
+    server: str | None,
+    request_timeout: float | None,
+) -> KubeClient:
+    from gpunode.kube.client import KubeClient, Timeouts
 
-    return KubeClient.from_host(host, kubeconfig=kubeconfig, context=context, server=server)
+    return KubeClient.from_host(
+        host,
+        kubeconfig=kubeconfig,
+        context=context,
+        server=server,
+        timeouts=Timeouts.for_request_timeout(request_timeout),
+    )
 
 
 def _render(change: Change, *, dry_run: bool, as_json: bool, withdraw: bool) -> None:

@@ -59,6 +59,7 @@ def up(
     kubeconfig: str | None,
     context: str | None,
     server: str | None,
+    request_timeout: float | None,
 ) -> None:
     """Make this a working GPU node: preflight, toolkit, container runtime, device plugin, labels.
 
@@ -87,6 +88,7 @@ def up(
         kubeconfig=kubeconfig,
         context=context,
         server=server,
+        request_timeout=request_timeout,
         on_output=lambda line: click.echo(f"    | {line}"),
     )
     if as_json:
