@@ -21,6 +21,7 @@ FAILED_CHECK_IDS = {
     "check_kubelet": "kubelet.error",
     "check_plugin": "plugin.error",
     "check_capacity": "node.error",
+    "check_cdi": "cdi.error",
 }
 
 

@@ -13,6 +13,7 @@ from functools import cached_property
 
 from gpunode import paths
 from gpunode.distribution import SUPPORTED_TEXT, read_distribution
+from gpunode.doctor.cdi import check_cdi
 from gpunode.doctor.model import Finding, Status
 from gpunode.errors import CommandFailed, GpunodeError, NotFound, NvmlError
 from gpunode.host import Host
@@ -785,4 +786,5 @@ ALL_CHECKS: tuple[Callable[[Context], Iterable[Finding]], ...] = (
     check_kubelet,
     check_plugin,
     check_capacity,
+    check_cdi,
 )

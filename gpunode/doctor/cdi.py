@@ -1,0 +1,48 @@
+"""Doctor's `cdi` checks: gpunode's CDI spec (gpunode.cdi.check), when CDI is in use on this node.
+
+CDI is in use when gpunode's spec exists or the device plugin's config asks for a CDI device-list
+strategy; otherwise a missing spec is no fault, and only the NVIDIA_VISIBLE_DEVICES exposure (which
+matters whatever the strategy) is reported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from gpunode.cdi.check import check_cdi as spec_checks
+from gpunode.cdi.check import check_envvar_exposure
+from gpunode.cdi.generate import GenerateOptions
+from gpunode.doctor.model import Finding, Status
+from gpunode.errors import GpunodeError
+
+if TYPE_CHECKING:
+    from gpunode.doctor.checks import Context
+
+
+def _plugin_cdi(ctx: Context) -> tuple[bool, GenerateOptions]:
+    """Whether the plugin's config file asks for a CDI strategy, and the spec options it implies."""
+    from gpunode.plugin.config import DEFAULT_CONFIG, read_config_file
+
+    try:
+        found = read_config_file(ctx.host, DEFAULT_CONFIG, required=False)
+    except GpunodeError:
+        return False, GenerateOptions()
+    strategies = found.get("device_list_strategy", (("envvar",), ""))[0]
+    kind = found.get("cdi_kind", ("nvidia.com/gpu", ""))[0]
+    driver_root = found.get("driver_root", ("/", ""))[0]
+    uses = any(s.startswith("cdi-") for s in strategies)
+    return uses, GenerateOptions(kind=kind, driver_root=driver_root)
+
+
+def check_cdi(ctx: Context) -> Iterable[Finding]:
+    uses_cdi, options = _plugin_cdi(ctx)
+    if not uses_cdi and not ctx.host.exists(options.path):
+        yield Finding(
+            "cdi",
+            Status.SKIP,
+            "CDI is not in use (no gpunode CDI spec, and the plugin uses no cdi-* strategy)",
+        )
+        yield check_envvar_exposure(ctx.host)
+        return
+    yield from spec_checks(ctx.host, ctx.inventory, options)
