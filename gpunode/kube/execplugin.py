@@ -36,13 +36,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import PurePosixPath
 from typing import Any
 
@@ -226,7 +227,6 @@ class Authenticator:
     def __init__(self, host: Host, config: ExecConfig, now: Callable[[], datetime] = _utcnow) -> None:
         self.host = host
         self.config = config
-        self.runs = 0
         self._now = now
         self._lock = threading.Lock()
         self._cached: PluginCredential | None = None
@@ -273,7 +273,6 @@ class Authenticator:
             len(config.args),
             "interactive" if interactive else "not interactive",
         )
-        self.runs += 1
         started = time.monotonic()
         result, failure = self._execute(argv, env, timeout, interactive)
         if failure is not None:
@@ -436,15 +435,35 @@ class Authenticator:
         sys.stderr.flush()
 
 
+_RFC3339 = re.compile(
+    r"^(\d{4})-(\d{2})-(\d{2})T(\d{2}):(\d{2}):(\d{2})(?:\.(\d+))?(?:(Z)|([+-])(\d{2}):(\d{2}))$"
+)
+
+
 def _rfc3339(text: str) -> datetime | None:
-    """An RFC 3339 time (what metav1.Time reads): a date, T, a time and a zone, fractions allowed."""
-    if "T" not in text.upper():
+    """An RFC 3339 time as metav1.Time reads it (Go's time.RFC3339: a zone is required, fractions of any
+    length). Parsed by hand: Python 3.10's fromisoformat takes neither "Z" nor nanoseconds."""
+    found = _RFC3339.match(text.strip())
+    if found is None:
         return None
+    year, month, day, hour, minute, second, fraction, utc, sign, zone_h, zone_m = found.groups()
+    micro = int((fraction or "0")[:6].ljust(6, "0"))
+    offset = timedelta(0)
+    if utc is None:
+        offset = timedelta(hours=int(zone_h), minutes=int(zone_m)) * (-1 if sign == "-" else 1)
     try:
-        parsed = datetime.fromisoformat(text.strip().replace("z", "Z"))
-    except ValueError:
+        return datetime(
+            int(year),
+            int(month),
+            int(day),
+            int(hour),
+            int(minute),
+            int(second),
+            micro,
+            tzinfo=timezone(offset),
+        )
+    except ValueError:  # 2024-02-30, 25:00, an offset of a day or more
         return None
-    return parsed if parsed.tzinfo is not None else None
 
 
 def _run_on_terminal(argv: Sequence[str], env: Mapping[str, str], timeout: float) -> CommandResult:

@@ -24,6 +24,7 @@ from gpunode.errors import ApiError, ConfigError, ExitCode, UsageError
 from gpunode.host import Host
 from gpunode.kube import Credentials, Pem, json_pointer
 from gpunode.kube.client import KubeClient, RetryPolicy, Timeouts, _proxies
+from gpunode.kube.timeout import parse_request_timeout
 from tests.kubeapi.apiserver import ApiServer
 from tests.kubeapi.pki import CertPair, Pki
 from tests.kubeapi.relay import SlowRelay
@@ -448,6 +449,39 @@ def test_the_deadline_defaults_to_connect_plus_read(api: ApiServer, pki: Pki) ->
     with client(creds(api, pki), timeouts=Timeouts(connect=0.5, read=1.0)) as kube:
         error = failure(lambda: kube.get_node("n1"))
     assert error.message.endswith("did not send its whole answer within 1.5 s")
+
+
+@pytest.mark.parametrize(
+    ("value", "seconds"),
+    [("0", 0.0), ("30", 30.0), ("10s", 10.0), ("1m30s", 90.0), ("500ms", 0.5), ("1.5h", 5400.0), ("0s", 0.0)],
+)
+def test_request_timeout_values_as_kubectl_reads_them(value: str, seconds: float) -> None:
+    assert parse_request_timeout(value) == seconds
+
+
+@pytest.mark.parametrize("value", ["", "5x", "1.5", "-1s", "s", "10 s", "ten"])
+def test_request_timeout_values_kubectl_refuses(value: str) -> None:
+    with pytest.raises(UsageError, match="is not a timeout"):
+        parse_request_timeout(value)
+
+
+def test_request_timeouts_become_the_deadline() -> None:
+    assert Timeouts.for_request_timeout(None) == Timeouts()  # not given: the defaults, 35 s in all
+    assert Timeouts.for_request_timeout(None).deadline == 35.0
+    assert Timeouts.for_request_timeout(2.0) == Timeouts(connect=2.0, read=2.0, total=2.0)
+    assert Timeouts.for_request_timeout(60.0) == Timeouts(connect=5.0, read=60.0, total=60.0)
+    assert Timeouts.for_request_timeout(0.0).deadline is None  # 0: no timeout
+
+
+def test_request_timeout_zero_waits_for_a_slow_answer(api: ApiServer, pki: Pki) -> None:
+    # Slower than both the 1 s deadline and the read timeout below would allow: only "no timeout" waits.
+    api.delay_next(1.5)
+    with client(creds(api, pki), timeouts=Timeouts.for_request_timeout(0.0)) as kube:
+        assert kube.get_node("n1")["metadata"]["name"] == "n1"
+    api.delay_next(1.5)
+    with client(creds(api, pki), timeouts=Timeouts.for_request_timeout(1.0)) as kube:
+        error = failure(lambda: kube.get_node("n1"))
+    assert "within 1 s" in error.message
 
 
 def test_a_body_announced_huge_is_refused_unread(api: ApiServer, pki: Pki) -> None:

@@ -319,6 +319,21 @@ def test_cached_until_the_expiration_timestamp(node: Node) -> None:
     assert len(node.plugin.runs) == 1
 
 
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("2030-01-02T03:04:05Z", datetime(2030, 1, 2, 3, 4, 5, tzinfo=timezone.utc)),
+        ("2030-01-02T03:04:05.123456789Z", datetime(2030, 1, 2, 3, 4, 5, 123456, tzinfo=timezone.utc)),
+        ("2030-01-02T05:04:05+02:00", datetime(2030, 1, 2, 3, 4, 5, tzinfo=timezone.utc)),
+        ("2030-01-02T03:04:05", None),  # no zone: Go's RFC 3339 layout wants one
+        ("2030-02-30T03:04:05Z", None),
+        ("2030-01-02 03:04:05Z", None),
+    ],
+)
+def test_expiration_timestamps_as_metav1_time_reads_them(text: str, expected: datetime | None) -> None:
+    assert execplugin._rfc3339(text) == expected
+
+
 def test_expired_credentials_run_the_plugin_again(node: Node) -> None:
     past = (datetime.now(timezone.utc) - timedelta(minutes=1)).isoformat()
     node.plugin.set(token=TOKEN, expirationTimestamp=past)
