@@ -526,11 +526,13 @@ def _user(
         if user.body.get("exec"):
             if user.body.get("auth-provider"):
                 raise ConfigError(f"{user.where()} sets both exec and auth-provider", "keep only exec")
+            body = user.body["exec"]
+            wants_cluster = isinstance(body, dict) and body.get("provideClusterInfo") is True
             exec_plugin = parse_exec(
-                user.body["exec"],
+                body,
                 where=user.where(),
                 kubeconfig=user.file,
-                cluster=_exec_cluster(host, cluster, server, verify, proxy),
+                cluster=_exec_cluster(host, cluster, server, verify, proxy) if wants_cluster else None,
             )
         else:
             _refuse_unsupported_auth(user)
@@ -580,9 +582,8 @@ def _exec_cluster(
     if verify is False:
         info["insecure-skip-tls-verify"] = True
     if isinstance(verify, Pem):
-        data = verify.data
-        if data is None and verify.path is not None:
-            data = verify.path.read_bytes()
+        # A file CA's origin is its host path (read and checked a moment ago by _pem).
+        data = verify.data if verify.data is not None else host.read_bytes(verify.origin)
         if data:
             info["certificate-authority-data"] = base64.b64encode(data).decode("ascii")
     if proxy:

@@ -256,6 +256,17 @@ def test_provide_cluster_info(node: Node) -> None:
     assert cluster["config"] == {"audience": "06e3fbd18de8"}
 
 
+def test_provide_cluster_info_with_a_ca_file(node: Node) -> None:
+    ca = node.root / "etc/kubernetes/pki/ca.crt"
+    ca.parent.mkdir(parents=True)
+    ca.write_bytes(node.pki.ca.cert.read_bytes())
+    cluster = {"certificate-authority-data": None, "certificate-authority": "/etc/kubernetes/pki/ca.crt"}
+    node.kubeconfig(exec_v1(provideClusterInfo=True), cluster=cluster)
+    node.get()
+    sent = node.plugin.runs[0]["info"]["spec"]["cluster"]["certificate-authority-data"]
+    assert base64.b64decode(sent) == node.pki.ca.cert.read_bytes()
+
+
 def test_without_provide_cluster_info_no_cluster_is_sent(node: Node) -> None:
     node.kubeconfig(exec_v1())
     node.get()
