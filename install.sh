@@ -10,6 +10,9 @@ DEV=0
 LINK=1
 APT=1
 UNINSTALL=0
+COMPLETION=1
+# Shell completion goes where each shell looks, under this root (a packaging or test root; default /).
+COMPLETION_ROOT="${GPUNODE_COMPLETION_ROOT:-/}"
 PYTHON="${PYTHON:-}"
 SRC_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # Debian packages the test suite needs installed (the README's "Tests" section): the tools it calls and the
@@ -27,7 +30,12 @@ Installs gpunode into a virtualenv (default $PREFIX) and links $BIN_DIR/gpunode 
 Options:
   --prefix DIR     virtualenv to install into (default: $PREFIX)
   --bin-dir DIR    where to link the gpunode command (default: $BIN_DIR)
-  --no-link        do not create the link (e.g. a development virtualenv)
+  --no-link        do not create the link (e.g. a development virtualenv); no shell completion either
+  --no-completion  do not install the completion scripts for bash, zsh and fish, which otherwise go to
+                   /usr/share/bash-completion/completions/gpunode,
+                   /usr/local/share/zsh/site-functions/_gpunode and
+                   /usr/share/fish/vendor_completions.d/gpunode.fish
+                   (under \$GPUNODE_COMPLETION_ROOT when set)
   --dev            also install the test dependencies: Debian packages (${DEV_DEBIAN_PACKAGES[*]})
                    and the [dev] extras; gpunode is installed editable from this checkout. The daemons
                    the tests run (containerd 1.6, 1.7, 2.x, runc, dockerd 20.10, 26, 28) are downloaded
@@ -37,8 +45,8 @@ Options:
                    (then: python -m tests.testbed fetch)
   --python PATH    the Python interpreter to use (default: the first of /usr/bin/python3,
                    python3.13 .. python3.10, python3 that is at least $MIN_PYTHON)
-  --uninstall      remove the link and the virtualenv, and nothing else; refused while the device
-                   plugin service is installed (run 'gpunode down' first)
+  --uninstall      remove the link, the completion scripts and the virtualenv, and nothing else;
+                   refused while the device plugin service is installed (run 'gpunode down' first)
   -h, --help       show this help
 EOF
 }
@@ -59,6 +67,7 @@ while [ $# -gt 0 ]; do
         --python) [ $# -ge 2 ] || die "--python needs a path"; PYTHON="$2"; shift 2 ;;
         --python=*) PYTHON="${1#*=}"; shift ;;
         --no-link) LINK=0; shift ;;
+        --no-completion) COMPLETION=0; shift ;;
         --dev) DEV=1; shift ;;
         --no-apt) APT=0; shift ;;
         --uninstall) UNINSTALL=1; shift ;;
@@ -70,6 +79,14 @@ done
 case "$PREFIX" in /*) ;; *) PREFIX="$PWD/$PREFIX" ;; esac
 case "$BIN_DIR" in /*) ;; *) BIN_DIR="$PWD/$BIN_DIR" ;; esac
 LINK_PATH="$BIN_DIR/gpunode"
+# shell:path of each completion script, where bash-completion, zsh (Debian's and most distributions' fpath)
+# and fish look for a command's completion.
+COMPLETION_ROOT="${COMPLETION_ROOT%/}"
+COMPLETIONS=(
+    "bash:$COMPLETION_ROOT/usr/share/bash-completion/completions/gpunode"
+    "zsh:$COMPLETION_ROOT/usr/local/share/zsh/site-functions/_gpunode"
+    "fish:$COMPLETION_ROOT/usr/share/fish/vendor_completions.d/gpunode.fish"
+)
 
 is_root() { [ "$(id -u)" -eq 0 ]; }
 
@@ -100,6 +117,15 @@ if [ "$UNINSTALL" -eq 1 ]; then
         rm -f "$LINK_PATH"
         say "removed $LINK_PATH"
     fi
+    for entry in "${COMPLETIONS[@]}"; do
+        path="${entry#*:}"
+        # Only a script gpunode generated: it names gpunode's completion variable.
+        if [ -f "$path" ] && grep -q _GPUNODE_COMPLETE "$path" 2>/dev/null; then
+            writable "$(dirname "$path")" || require_root_for "$path"
+            rm -f "$path"
+            say "removed $path"
+        fi
+    done
     if [ -x "$PREFIX/bin/python" ] && [ -f "$PREFIX/pyvenv.cfg" ]; then
         writable "$(dirname "$PREFIX")" || require_root_for "$PREFIX"
         rm -rf "$PREFIX"
@@ -112,6 +138,11 @@ fi
 # --- root ----------------------------------------------------------------------------------------
 writable "$PREFIX" || require_root_for "$PREFIX"
 if [ "$LINK" -eq 1 ]; then writable "$BIN_DIR" || require_root_for "$LINK_PATH"; fi
+if [ "$LINK" -eq 1 ] && [ "$COMPLETION" -eq 1 ] && [ -d "$COMPLETION_ROOT/" ]; then
+    for entry in "${COMPLETIONS[@]}"; do
+        writable "$(dirname "${entry#*:}")" || require_root_for "the shell completion (${entry#*:}; or use --no-completion)"
+    done
+fi
 if [ "$DEV" -eq 1 ] && [ "$APT" -eq 1 ]; then
     missing_debs=()
     for pkg in "${DEV_DEBIAN_PACKAGES[@]}"; do
@@ -198,6 +229,30 @@ if [ "$LINK" -eq 1 ]; then
     mkdir -p "$BIN_DIR"
     ln -sfn "$PREFIX/bin/gpunode" "$LINK_PATH"
     say "linked $LINK_PATH -> $PREFIX/bin/gpunode"
+fi
+
+# --- shell completion ----------------------------------------------------------------------------
+# With the link: a development virtualenv (--no-link) leaves the system's shells alone. Each script is
+# written whole (temp file, then rename) and asks gpunode itself for candidates, so it never goes stale.
+if [ "$LINK" -eq 1 ] && [ "$COMPLETION" -eq 1 ]; then
+    if [ ! -d "$COMPLETION_ROOT/" ]; then
+        say "no shell completion: $COMPLETION_ROOT/ does not exist"
+    else
+        for entry in "${COMPLETIONS[@]}"; do
+            shell="${entry%%:*}" path="${entry#*:}"
+            writable "$(dirname "$path")" || require_root_for "$path"
+            mkdir -p "$(dirname "$path")"
+            tmp="$(mktemp "$(dirname "$path")/.gpunode-completion.XXXXXX")"
+            if "$PREFIX/bin/gpunode" completion "$shell" >"$tmp"; then
+                chmod 644 "$tmp"
+                mv -f "$tmp" "$path"
+                say "installed $shell completion: $path"
+            else
+                rm -f "$tmp"
+                die "could not generate the $shell completion script" "run $PREFIX/bin/gpunode completion $shell to see why; or use --no-completion"
+            fi
+        done
+    fi
 fi
 
 say "$("$PREFIX/bin/gpunode" --version) is installed in $PREFIX; run: gpunode doctor"

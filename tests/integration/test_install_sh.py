@@ -14,25 +14,49 @@ INSTALL = REPO / "install.sh"
 
 
 def run(
-    *args: str, timeout: float = 600, user: int | None = None, systemd_dir: Path | None = None
+    *args: str,
+    timeout: float = 600,
+    user: int | None = None,
+    systemd_dir: Path | None = None,
+    completion_root: Path | None = None,
 ) -> subprocess.CompletedProcess[str]:
     argv = ["bash", str(INSTALL), *args]
     if user is not None:
         argv = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *argv]
     # A private unit directory: the host's own /etc/systemd/system never decides a test's outcome.
     env = {**os.environ, "GPUNODE_SYSTEMD_DIR": str(systemd_dir or Path("/nonexistent/systemd"))}
+    # Nor do the host's shell completion directories: a root that does not exist means no completion.
+    env["GPUNODE_COMPLETION_ROOT"] = str(completion_root or Path("/nonexistent/completion-root"))
     return subprocess.run(
         argv, capture_output=True, text=True, timeout=timeout, check=False, cwd="/", env=env
     )
 
 
 def test_install_reinstall_and_uninstall(tmp_path: Path) -> None:
-    prefix, bindir = tmp_path / "opt/gpunode", tmp_path / "bin"
-    first = run("--prefix", str(prefix), "--bin-dir", str(bindir))
+    prefix, bindir, shells = tmp_path / "opt/gpunode", tmp_path / "bin", tmp_path / "shells"
+    shells.mkdir()
+    first = run("--prefix", str(prefix), "--bin-dir", str(bindir), completion_root=shells)
     assert first.returncode == 0, first.stderr + first.stdout
     assert "creating a virtualenv" in first.stdout
     link = bindir / "gpunode"
     assert link.is_symlink() and os.readlink(link) == str(prefix / "bin/gpunode")
+    completions = [
+        shells / "usr/share/bash-completion/completions/gpunode",
+        shells / "usr/local/share/zsh/site-functions/_gpunode",
+        shells / "usr/share/fish/vendor_completions.d/gpunode.fish",
+    ]
+    for shell, path in zip(("bash", "zsh", "fish"), completions, strict=True):
+        assert f"installed {shell} completion: {path}" in first.stdout
+        assert path.stat().st_mode & 0o777 == 0o644 and "_GPUNODE_COMPLETE" in path.read_text(), path
+    # bash's installed script, sourced as bash-completion would, completes from the installed gpunode.
+    program = (
+        f"source {completions[0]}\n"
+        "COMP_WORDS=(gpunode configure-runtime c); COMP_CWORD=2\n"
+        f"_gpunode_completion {link}\n"
+        'echo "${COMPREPLY[@]}"\n'
+    )
+    bash = subprocess.run(["bash", "-c", program], capture_output=True, text=True, check=True, timeout=120)
+    assert bash.stdout == "containerd crio\n"
 
     version = subprocess.run([str(link), "--version"], capture_output=True, text=True, check=True, timeout=60)
     assert version.stdout.startswith("gpunode ")
@@ -42,9 +66,10 @@ def test_install_reinstall_and_uninstall(tmp_path: Path) -> None:
     assert doctor.returncode in (0, 1), doctor.stderr
     assert json.loads(doctor.stdout)["schema"] == "gpunode.doctor/v1"
 
-    second = run("--prefix", str(prefix), "--bin-dir", str(bindir))
+    second = run("--prefix", str(prefix), "--bin-dir", str(bindir), completion_root=shells)
     assert second.returncode == 0, second.stderr
     assert "reusing the virtualenv" in second.stdout
+    assert all(p.is_file() for p in completions) and not list(shells.rglob(".gpunode-completion.*"))
 
     units = tmp_path / "systemd"
     units.mkdir()
@@ -58,9 +83,20 @@ def test_install_reinstall_and_uninstall(tmp_path: Path) -> None:
     assert link.is_symlink() and prefix.exists()
 
     (units / "gpunode-device-plugin.service").unlink()
-    gone = run("--uninstall", "--prefix", str(prefix), "--bin-dir", str(bindir), systemd_dir=units)
+    foreign = shells / "usr/share/bash-completion/completions/other"
+    foreign.write_text("complete -F _other other\n")
+    gone = run(
+        "--uninstall",
+        "--prefix",
+        str(prefix),
+        "--bin-dir",
+        str(bindir),
+        systemd_dir=units,
+        completion_root=shells,
+    )
     assert gone.returncode == 0, gone.stderr
     assert not link.exists() and not link.is_symlink() and not prefix.exists()
+    assert not any(p.exists() for p in completions) and foreign.exists()
 
 
 def test_refuses_to_replace_a_foreign_command(tmp_path: Path) -> None:
