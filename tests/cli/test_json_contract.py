@@ -124,3 +124,48 @@ def test_every_schema_file_is_a_valid_json_schema() -> None:
     assert names, "no schemas shipped"
     for name in names:
         jsonschema.Draft202012Validator.check_schema(schemas.load(name))
+
+
+def cdi_node(root: Path) -> Host:
+    from tests import cdinode
+
+    cdinode.make_driver(root, "550.54.15", gpus=range(8))
+    return Host(root=root, runner=ScriptedRunner(), env={"PATH": "/usr/bin"})
+
+
+def test_cdi_generate_list_and_check(
+    tmp_path: Path, fake_nvml: Callable[..., None], capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake_nvml(profile="dgx-a100")
+    host = cdi_node(tmp_path)
+    code, plan = run_json("cdi-generate", ["cdi", "generate", "--dry-run", "--json"], host, capsys)
+    assert code == 0 and plan["dry_run"] and not plan["changed"]
+    assert plan["devices"][:2] == ["nvidia.com/gpu=0", plan["devices"][1]] and plan["devices"][-1].endswith(
+        "=all"
+    )
+    assert plan["cdi_version"] == "0.5.0" and plan["gpus"] == 8 and not (tmp_path / "var/run/cdi").exists()
+    code, done = run_json("cdi-generate", ["cdi", "generate", "--json"], host, capsys)
+    assert code == 0 and done["changed"] and done["spec"] == plan["spec"]
+    code, again = run_json("cdi-generate", ["cdi", "generate", "--json"], host, capsys)
+    assert code == 0 and not again["changed"]
+
+    code, listed = run_json("cdi-list", ["cdi", "list", "--json"], host, capsys)
+    assert code == 0 and len(listed["devices"]) == 17
+    assert {d["file"] for d in listed["devices"]} == {done["path"]}
+
+    code, checked = run_json("cdi-check", ["cdi", "check", "--json"], host, capsys)
+    assert code == 0 and checked["healthy"] and checked["counts"]["fail"] == 0
+
+    (tmp_path / "dev/nvidia3").unlink()  # a GPU's node gone: the spec no longer holds
+    # Unhealthy is a finding, not an error: exit 1 with the document's error null (as doctor does).
+    code = main(["cdi", "check", "--json"], host=host)
+    failed = json.loads(capsys.readouterr().out)
+    jsonschema.validate(failed, schemas.load("cdi-check"))
+    assert code == ExitCode.UNHEALTHY and not failed["healthy"] and failed["error"] is None
+    assert "cdi.nodes" in [c["id"] for c in failed["checks"] if c["status"] == "fail"]
+    code, refused = run_json("cdi-generate", ["cdi", "generate", "--json"], host, capsys)
+    assert (
+        code == ExitCode.NOT_FOUND
+        and not refused["changed"]
+        and "/dev/nvidia3" in refused["error"]["message"]
+    )
