@@ -294,7 +294,11 @@ def test_client_certificate_from_the_plugin(node: Node) -> None:
     node.api.allow("system:node:n1", "*", "*")
     node.plugin.set(clientCertificateData=pair.cert.read_text(), clientKeyData=pair.key.read_text())
     node.kubeconfig(exec_v1())
-    node.get()
+    with node.client() as kube:
+        kube.get_node("n1")
+        private = kube._tempdir  # where requests loads the key from
+        assert private is not None and len(os.listdir(private)) == 2
+    assert not os.path.exists(private)  # gone with the client
     assert [(r.user, r.authenticated_by) for r in node.api.requests] == [("system:node:n1", "certificate")]
 
 
