@@ -359,14 +359,14 @@ def test_k3s_node_with_embedded_containerd_and_kubelet(
 def test_a_check_that_breaks_does_not_stop_the_others(
     node: Node, fake_nvml: Callable[..., None], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from gpunode.doctor import checks
+    from gpunode.doctor import context
 
     fake_nvml("pcie-4")
 
     def broken(host: object) -> str:
         raise KeyError("boom")
 
-    monkeypatch.setattr(checks, "kubelet_present", broken)
+    monkeypatch.setattr(context, "kubelet_present", broken)
     report = run_doctor(node.host())
     ids = [f.id for f in report.findings]
     assert "runtime.error" in ids and "gpu.3" in ids
