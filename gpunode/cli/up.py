@@ -157,7 +157,7 @@ def run_plan(
         raise UsageError(
             f"gpunode {command} asks before it changes the node, which --json cannot", "add --yes"
         )
-    confirm(yes, command, "; ".join(warnings) or None)
+    confirm(yes, command, None if as_json else "; ".join(warnings) or None)  # the document carries them
     results: dict[str, str] = {}
 
     def on_step(n: int, total: int, step: Step) -> None:

@@ -27,8 +27,11 @@ def run_json(
     command: str, argv: list[str], host: Host, capsys: pytest.CaptureFixture[str]
 ) -> tuple[int, dict[str, Any]]:
     code = main(argv, host=host)
-    out = capsys.readouterr().out
-    doc = json.loads(out)  # the whole of stdout is one document
+    out, err = capsys.readouterr()
+    try:
+        doc = json.loads(out)  # the whole of stdout is one document
+    except ValueError as exc:
+        raise AssertionError(f"{argv} did not print one JSON document ({exc}):\n{out}\nstderr:\n{err}") from None
     jsonschema.validate(doc, schemas.load(command))
     assert doc["schema"] == f"gpunode.{command}/v1"
     if code == ExitCode.OK:
