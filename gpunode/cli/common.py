@@ -86,9 +86,10 @@ def refuse_foreign_root(host: Host, dry_run: bool) -> None:
 def confirm(yes: bool, what: str, warning: str | None = None) -> None:
     """Ask before a change that disrupts; --yes answers for automation. Declining exits 1 (the operator's
     choice, not an interruption)."""
+    from gpunode import jsonout
     from gpunode.errors import ExitCode, UsageError
 
-    if warning:
+    if warning and not jsonout.requested():  # under --json, stdout is the one document (which says it)
         click.echo(f"warning: {warning}")
     if yes:
         return
