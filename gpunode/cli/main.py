@@ -7,12 +7,9 @@ when that command runs (or shows its help): `gpunode --help` lists them from the
 
 from __future__ import annotations
 
-import difflib
 import errno
 import os
-import shutil
 import sys
-import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -101,6 +98,8 @@ class LazyGroup(Group):
     ) -> tuple[str | None, click.Command | None, list[str]]:
         name = args[0]
         if name not in COMMANDS and not name.startswith("-"):
+            import difflib
+
             near = difflib.get_close_matches(name, list(COMMANDS), n=1)
             raise click.UsageError(
                 f"no command {name!r}" + (f" (did you mean {near[0]!r}?)" if near else ""), ctx
@@ -149,14 +148,16 @@ def cli(ctx: click.Context, debug: bool, root: Path, no_color: bool) -> None:
 def _help_width() -> int:
     """Help for a terminal fits it; help piped to a file or grep is not wrapped at all."""
     if sys.stdout.isatty():
+        import shutil
+
         return shutil.get_terminal_size().columns
     return 100_000
 
 
 def _print_error(err: GpunodeError) -> None:
-    from gpunode import jsonout
-
-    jsonout.fail(err)  # the command's --json document, when it asked for one
+    jsonout = sys.modules.get("gpunode.jsonout")  # imported by a command that asked for JSON, if any
+    if jsonout is not None:
+        jsonout.fail(err)  # the command's --json document
     sys.stderr.write(f"gpunode: error: {err.message}\n")
     if err.fix:
         sys.stderr.write(f"  fix: {err.fix}\n")
@@ -192,10 +193,10 @@ def _invoke(args: list[str]) -> int:
 
 def main(argv: list[str] | None = None, host: Host | None = None) -> int:
     """Run the CLI; every outcome ends here as an exit code from ExitCode."""
-    from gpunode import jsonout
-
     overrides.clear()
-    jsonout.reset()  # a JSON request belongs to one run (tests call main() many times in one process)
+    jsonout = sys.modules.get("gpunode.jsonout")  # not imported for nothing: only --json needs it
+    if jsonout is not None:
+        jsonout.reset()  # a JSON request belongs to one run (tests call main() many times in one process)
     if host is not None:
         overrides["host"] = host
     args = sys.argv[1:] if argv is None else list(argv)
@@ -223,7 +224,7 @@ def main(argv: list[str] | None = None, host: Host | None = None) -> int:
         return int(ExitCode.ERROR)
     except GpunodeError as err:
         if debug:
-            traceback.print_exc()
+            _print_traceback()
         _print_error(err)
         return int(err.exit_code)
     except (KeyboardInterrupt, click.exceptions.Abort):
@@ -236,12 +237,12 @@ def main(argv: list[str] | None = None, host: Host | None = None) -> int:
             _silence_stdout()
             return int(ExitCode.BROKEN_PIPE)
         if debug:
-            traceback.print_exc()
+            _print_traceback()
         _print_error(_os_error(err))
         return int(ExitCode.ERROR)
     except Exception as err:  # a bug: say so plainly, show the traceback only on request
         if debug:
-            traceback.print_exc()
+            _print_traceback()
         sys.stderr.write(
             f"gpunode: internal error: {type(err).__name__}: {err}\n"
             "  This is a bug in gpunode. Re-run with --debug for the traceback and report it.\n"
@@ -250,6 +251,12 @@ def main(argv: list[str] | None = None, host: Host | None = None) -> int:
     if _stdout_closed():
         return int(ExitCode.BROKEN_PIPE)
     return code
+
+
+def _print_traceback() -> None:
+    import traceback  # only for --debug: not on every start-up
+
+    traceback.print_exc()
 
 
 def _os_error(err: OSError) -> GpunodeError:
