@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import difflib
-import json
-import sys
 from typing import TYPE_CHECKING
 
 import click
@@ -54,6 +52,13 @@ _DECLINED = "1    the confirmation was declined (nothing changed)"
 @click.option("--experimental", is_flag=True, help="Also enable the experimental repository.")
 @click.option("--dry-run", is_flag=True, help="Print every file and command; change nothing.")
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation (unattended use).")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print one JSON document (schema gpunode.toolkit-install/v1): the plan with --dry-run, the result "
+    "otherwise; needs --yes to change anything.",
+)
 @click.pass_context
 def install(
     ctx: click.Context,
@@ -64,12 +69,14 @@ def install(
     experimental: bool,
     dry_run: bool,
     yes: bool,
+    as_json: bool,
 ) -> None:
     """Add NVIDIA's repository (its key checked) and install the toolkit's four packages, pinned together."""
     from gpunode.cli.state import state
     from gpunode.toolkit import install as toolkit
 
     host = state(ctx).host
+    _json_request("toolkit-install", as_json, dry_run)
     refuse_foreign_root(host, dry_run)
     if not dry_run:
         toolkit.require_root(host, "toolkit install")
@@ -81,15 +88,25 @@ def install(
         experimental=experimental,
     )
     if dry_run:
-        _print_plan(toolkit.plan_install(host, opts), dry_run=True)
+        plan = toolkit.plan_install(host, opts)
+        _emit_json("toolkit-install", plan, None, dry_run=True) if as_json else _print_plan(
+            plan, dry_run=True
+        )
         return
     with host.lock(toolkit.LOCK):
         plan = toolkit.plan_install(host, opts)
-        _print_plan(plan, dry_run=False)
+        if not as_json:
+            _print_plan(plan, dry_run=False)
         if plan.changes_nothing:
+            if as_json:
+                _emit_json("toolkit-install", plan, None, dry_run=False)
             return
+        _confirm_json(as_json, yes)
         confirm(yes, "toolkit install")
-        outcome = toolkit.apply_install(host, plan, _progress())
+        outcome = toolkit.apply_install(host, plan, None if as_json else _progress())
+    if as_json:
+        _emit_json("toolkit-install", plan, outcome, dry_run=False)
+        return
     _print_outcome(outcome)
     click.echo(f"nvidia-container-toolkit {toolkit.consistent_version(outcome.installed)} is installed")
     click.echo("next: gpunode configure-runtime (the packages configure no container runtime themselves)")
@@ -98,26 +115,44 @@ def install(
 @app.command("uninstall", epilog=exit_codes("0    removed (or nothing to remove)", _DECLINED))
 @click.option("--dry-run", is_flag=True, help="Print what would be removed; change nothing.")
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation (unattended use).")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print one JSON document (schema gpunode.toolkit-uninstall/v1); needs --yes to change anything.",
+)
 @click.pass_context
-def uninstall(ctx: click.Context, dry_run: bool, yes: bool) -> None:
+def uninstall(ctx: click.Context, dry_run: bool, yes: bool, as_json: bool) -> None:
     """Remove the four packages and the repository files `toolkit install` added (nothing else)."""
     from gpunode.cli.state import state
     from gpunode.toolkit import install as toolkit
 
     host = state(ctx).host
+    _json_request("toolkit-uninstall", as_json, dry_run)
     refuse_foreign_root(host, dry_run)
     if not dry_run:
         toolkit.require_root(host, "toolkit uninstall")
     if dry_run:
-        _print_plan(toolkit.plan_uninstall(host), dry_run=True)
+        plan = toolkit.plan_uninstall(host)
+        if as_json:
+            _emit_json("toolkit-uninstall", plan, None, dry_run=True)
+        else:
+            _print_plan(plan, dry_run=True)
         return
     with host.lock(toolkit.LOCK):
         plan = toolkit.plan_uninstall(host)
-        _print_plan(plan, dry_run=False)
+        if not as_json:
+            _print_plan(plan, dry_run=False)
         if plan.changes_nothing:
+            if as_json:
+                _emit_json("toolkit-uninstall", plan, None, dry_run=False)
             return
+        _confirm_json(as_json, yes)
         confirm(yes, "toolkit uninstall")
-        outcome = toolkit.apply_uninstall(host, plan, _progress())
+        outcome = toolkit.apply_uninstall(host, plan, None if as_json else _progress())
+    if as_json:
+        _emit_json("toolkit-uninstall", plan, outcome, dry_run=False)
+        return
     _print_outcome(outcome)
 
 
@@ -136,13 +171,83 @@ def status(ctx: click.Context, as_json: bool) -> None:
     from gpunode.errors import ExitCode
     from gpunode.toolkit import install as toolkit
 
+    if as_json:
+        from gpunode import jsonout
+
+        jsonout.request("toolkit-status")
     current = toolkit.status(state(ctx).host)
     if as_json:
-        sys.stdout.write(json.dumps(current.to_json(), indent=2) + "\n")
+        from gpunode import jsonout
+
+        doc = jsonout.document("toolkit-status", changed=False)
+        doc.update(current.to_json())
+        doc["error"] = doc.pop("error")  # last, as in every document
+        jsonout.emit(doc)
     else:
         _print_status(current)
     if not current.healthy:
         raise click.exceptions.Exit(int(ExitCode.UNHEALTHY))
+
+
+def _json_request(command: str, as_json: bool, dry_run: bool) -> None:
+    if as_json:
+        from gpunode import jsonout
+
+        jsonout.request(command, dry_run=dry_run)
+
+
+def _confirm_json(as_json: bool, yes: bool) -> None:
+    from gpunode.errors import UsageError
+
+    if as_json and not yes:
+        raise UsageError(
+            "changing the packages needs a confirmation, which --json cannot ask for", "add --yes"
+        )
+
+
+def _emit_json(command: str, plan: ToolkitPlan, outcome: Outcome | None, *, dry_run: bool) -> None:
+    """The plan (files, their diffs, every command) and, after a run, what was done: one document."""
+    from gpunode import jsonout
+    from gpunode.toolkit import install as toolkit
+
+    files: list[dict[str, str | None]] = []
+    for planned in plan.files:
+        path, content = planned.file.path, planned.file.content
+        action = "unchanged" if not planned.changed else "write"
+        if planned.file.binary or not planned.changed:
+            diff = ""
+        else:
+            diff = "".join(
+                difflib.unified_diff(
+                    []
+                    if planned.before is None
+                    else planned.before.decode("utf-8", "replace").splitlines(True),
+                    content.decode("utf-8").splitlines(keepends=True),
+                    fromfile="/dev/null" if planned.before is None else f"a{path}",
+                    tofile=f"b{path}",
+                )
+            )
+        files.append({"path": path, "action": action, "diff": diff, "mode": f"{planned.file.mode:o}"})
+    files += [{"path": p, "action": "remove", "diff": "", "mode": None} for p in plan.remove]
+    files += [{"path": p, "action": "restore", "diff": "", "mode": None} for p, _ in plan.restore]
+    installed = outcome.installed if outcome is not None else plan.installed
+    doc = jsonout.document(
+        command,
+        changed=outcome is not None and not plan.changes_nothing,
+        dry_run=dry_run,
+        distribution=plan.distribution.pretty or plan.distribution.id,
+        package_manager=plan.manager.name,
+        packages=dict(installed),
+        version=toolkit.consistent_version(installed),
+        wanted=plan.wanted,
+        key_fingerprints=list(plan.key.fingerprints) if plan.key is not None else [],
+        files=files,
+        commands=[{"argv": list(c.argv), "env": dict(c.env), "title": c.title} for c in plan.commands],
+        drift=list(plan.drift),
+        warnings=list(plan.warnings),
+        notes=list(plan.notes),
+    )
+    jsonout.emit(doc)
 
 
 def _progress() -> Progress:

@@ -31,12 +31,14 @@ def run_json(
     try:
         doc = json.loads(out)  # the whole of stdout is one document
     except ValueError as exc:
-        raise AssertionError(f"{argv} did not print one JSON document ({exc}):\n{out}\nstderr:\n{err}") from None
+        raise AssertionError(
+            f"{argv} did not print one JSON document ({exc}):\n{out}\nstderr:\n{err}"
+        ) from None
     jsonschema.validate(doc, schemas.load(command))
     assert doc["schema"] == f"gpunode.{command}/v1"
     if code == ExitCode.OK:
         assert doc["error"] is None
-    else:
+    elif code != ExitCode.UNHEALTHY or doc["error"] is not None:  # 1 from a report is a finding, no error
         assert doc["error"]["exit_code"] == code
     return code, doc
 
@@ -172,3 +174,25 @@ def test_cdi_generate_list_and_check(
         and not refused["changed"]
         and "/dev/nvidia3" in refused["error"]["message"]
     )
+
+
+def test_toolkit_install_status_uninstall(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.cli.test_toolkit_cli import install_args, make_node
+
+    host, fake = make_node(tmp_path, "apt")
+    args = ["toolkit", *install_args(tmp_path, "--version", "1.17.8"), "--json"]
+    code, plan = run_json("toolkit-install", [*args, "--dry-run"], host, capsys)
+    assert code == 0 and plan["dry_run"] and not plan["changed"] and plan["commands"]
+    assert {f["action"] for f in plan["files"]} == {"write"} and any(f["diff"] for f in plan["files"])
+    code, done = run_json("toolkit-install", args, host, capsys)
+    assert code == 0 and done["changed"] and done["version"] == "1.17.8-1"
+    code, again = run_json("toolkit-install", args, host, capsys)
+    assert code == 0 and not again["changed"] and not again["commands"]
+    code, status = run_json("toolkit-status", ["toolkit", "status", "--json"], host, capsys)
+    assert code == 0 and status["healthy"] and not status["changed"]
+    code, refused = run_json("toolkit-uninstall", ["toolkit", "uninstall", "--json"], host, capsys)
+    assert code == ExitCode.USAGE and "--yes" in refused["error"]["fix"]
+    code, gone = run_json("toolkit-uninstall", ["toolkit", "uninstall", "--json", "--yes"], host, capsys)
+    assert code == 0 and gone["changed"] and not any(fake.installed.get(p) for p in gone["packages"])
+    code, status = run_json("toolkit-status", ["toolkit", "status", "--json"], host, capsys)
+    assert code == ExitCode.UNHEALTHY and not status["healthy"]
