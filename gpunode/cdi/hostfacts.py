@@ -140,13 +140,14 @@ def read_host_facts(
     warnings: list[str] = []
     gpu_nodes: dict[int, DeviceNode] = {}
     mig_nodes: dict[str, tuple[DeviceNode, ...]] = {}
+    caps_major = proc_devices(host).get("nvidia-caps") if any(g.mig_devices for g in inventory.gpus) else None
     for gpu in inventory.gpus:
         if not gpu.usable or gpu.minor is None:
             warnings.append(f"GPU {gpu.index} is left out: {gpu.error or 'lost from the bus'}")
             continue
         gpu_nodes[gpu.index] = _gpu_node(host, roots, gpu)
         for mig in gpu.mig_devices:
-            mig_nodes[mig.uuid] = _mig_nodes(host, roots, gpu, mig, warnings)
+            mig_nodes[mig.uuid] = _mig_nodes(host, roots, gpu, mig, caps_major=caps_major, warnings=warnings)
     control = []
     for path in CONTROL_NODES:
         numbers = char_device(host, roots.dev(path))
@@ -200,7 +201,7 @@ def _gpu_node(host: Host, roots: Roots, gpu: Gpu) -> DeviceNode:
 
 
 def _mig_nodes(
-    host: Host, roots: Roots, gpu: Gpu, mig: MigDevice, warnings: list[str]
+    host: Host, roots: Roots, gpu: Gpu, mig: MigDevice, *, caps_major: int | None, warnings: list[str]
 ) -> tuple[DeviceNode, ...]:
     """The capability nodes that give access to one MIG instance: its GPU instance's and its compute
     instance's, whose minors the driver publishes under /proc/driver/nvidia/capabilities."""
@@ -208,7 +209,6 @@ def _mig_nodes(
         warnings.append(f"MIG device {mig.uuid}: NVML did not give its instance IDs; no capability nodes")
         return ()
     base = f"/proc/driver/nvidia/capabilities/gpu{gpu.minor}/mig/gi{mig.gpu_instance_id}"
-    caps_major = proc_devices(host).get("nvidia-caps")
     nodes: list[DeviceNode] = []
     for access in (f"{base}/access", f"{base}/ci{mig.compute_instance_id}/access"):
         minor = _cap_minor(host, access)

@@ -189,7 +189,10 @@ def render(spec: Spec, fmt: str, header: str = "") -> str:
         return json.dumps(spec, indent=2) + "\n"
     import yaml
 
-    class Dumper(yaml.SafeDumper):
+    # libyaml's emitter where PyYAML has it: ~6x faster on a spec of 8 x 7 MIG devices.
+    base: Any = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+
+    class Dumper(base):  # type: ignore[misc]
         def ignore_aliases(self, data: Any) -> bool:
             return True  # plain repeated values, never &anchors: every reader must see the same thing
 
@@ -207,8 +210,9 @@ def parse(text: str, where: str) -> Spec:
     else:
         import yaml
 
+        loader: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
         try:
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=loader)  # noqa: S506 (a safe loader, libyaml's where present)
         except yaml.YAMLError as exc:
             raise ConfigError(f"{where} is not valid YAML: {exc}", f"fix or remove {where}") from exc
     if not isinstance(data, dict):
