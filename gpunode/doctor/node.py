@@ -68,6 +68,7 @@ def check_capacity(ctx: Context) -> Iterable[Finding]:
             timeouts=Timeouts(*API_TIMEOUT),
             retry=RetryPolicy(attempts=1, conflict_attempts=1),
             env=ctx.host.env,
+            host=ctx.host,  # an exec credential plugin runs through the node's Host, under --root too
         ) as client:
             obj = client.get_node(node)
     except GpunodeError as exc:
