@@ -8,11 +8,11 @@ nodes) is read once at start by `read_device_nodes`, never per call: kubelet wai
 from __future__ import annotations
 
 import posixpath
-import re
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from gpunode.cdi.spec import annotation_key
 from gpunode.errors import GpunodeError
 from gpunode.host import Host
 from gpunode.plugin.devices import DeviceHealth, PluginDevice, Resource
@@ -23,8 +23,6 @@ VOLUME_MOUNT_DIR = "/var/run/nvidia-container-devices"
 CDI_ANNOTATION_PREFIX = "cdi.k8s.io/"
 # Control nodes every CUDA container needs besides its /dev/nvidiaN, when they exist on the host.
 CONTROL_DEVICES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset")
-
-_ANNOTATION_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
 
 
 class Refused(Exception):
@@ -148,8 +146,9 @@ def _answer(devices: list[PluginDevice], settings: AllocateSettings) -> Containe
             cdi.extend(f"{settings.cdi_kind}={v}" for v in visible)
         elif strategy == "cdi-annotations":
             for v in visible:
-                key = f"{CDI_ANNOTATION_PREFIX}gpunode_{_ANNOTATION_UNSAFE.sub('-', v)}"
-                annotations[key] = f"{settings.cdi_kind}={v}"
+                # The CDI rules' key (prefix, `/` replaced, at most 63 characters after the prefix): a key
+                # the runtime's CDI library refuses would fail the container, not just lose the device.
+                annotations[annotation_key("gpunode", v)] = f"{settings.cdi_kind}={v}"
     specs: list[tuple[str, str, str]] = []
     if settings.pass_device_specs:
         nodes = settings.nodes
