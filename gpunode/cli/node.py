@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -96,7 +94,9 @@ _API = "9    the Kubernetes API refused the request or could not be reached"
     help="Patch the extended-resource capacity (warns when a device plugin owns it).",
 )
 @click.option("--dry-run", is_flag=True, help="Read the node and print the patches; change nothing.")
-@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print one JSON document (schema gpunode.node-advertise/v1)."
+)
 @kube_options
 @click.pass_context
 def advertise(
@@ -119,6 +119,10 @@ def advertise(
     from gpunode.errors import UsageError
 
     host = state(ctx).host
+    if as_json:
+        from gpunode import jsonout
+
+        jsonout.request("node-advertise", dry_run=dry_run)
     if not labels and not capacity:
         raise UsageError("--no-labels with --no-capacity leaves nothing to advertise")
     inventory = _inventory(host, need=labels or count is None)
@@ -136,7 +140,9 @@ def advertise(
     help="Also remove this resource's capacity (default: only what gpunode advertised).",
 )
 @click.option("--dry-run", is_flag=True, help="Read the node and print the patches; change nothing.")
-@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print one JSON document (schema gpunode.node-withdraw/v1)."
+)
 @kube_options
 @click.pass_context
 def withdraw(
@@ -155,6 +161,10 @@ def withdraw(
     from gpunode.cli.state import state
 
     host = state(ctx).host
+    if as_json:
+        from gpunode import jsonout
+
+        jsonout.request("node-withdraw", dry_run=dry_run)
     with _client(host, kubeconfig, context, server, request_timeout) as client:
         change = adv.withdraw(host, client, node=node, resource=resource, dry_run=dry_run)
     _render(change, dry_run=dry_run, as_json=as_json, withdraw=True)
@@ -190,24 +200,24 @@ def _client(
 
 def _render(change: Change, *, dry_run: bool, as_json: bool, withdraw: bool) -> None:
     if as_json:
-        sys.stdout.write(
-            json.dumps(
-                {
-                    "node": change.node,
-                    "node_source": change.node_source,
-                    "resource": change.resource,
-                    "count": change.count,
-                    "capacity_before": change.capacity_before,
-                    "status_patch": change.capacity_ops,
-                    "node_patch": change.metadata_patch,
-                    "changed": not change.changes_nothing and not dry_run,
-                    "dry_run": dry_run,
-                    "warnings": change.warnings,
-                },
-                indent=2,
-            )
-            + "\n"
+        from gpunode import jsonout
+
+        doc = jsonout.document(
+            "node-withdraw" if withdraw else "node-advertise",
+            changed=not change.changes_nothing and not dry_run,
+            dry_run=dry_run,
+            node=change.node,
+            node_source=change.node_source,
+            resource=change.resource,
+            count=change.count,
+            capacity_before=change.capacity_before,
+            status_patch=change.capacity_ops,
+            node_patch=change.metadata_patch,
+            labels_set=change.labels_set,
+            labels_removed=change.labels_removed,
+            warnings=change.warnings,
         )
+        jsonout.emit(doc)
         return
     would = "would " if dry_run else ""
     click.echo(f"node {change.node} (from {change.node_source})")

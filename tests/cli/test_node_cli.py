@@ -18,9 +18,11 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 import yaml
 
+from gpunode import schemas
 from gpunode.cli.main import main
 from gpunode.errors import ExitCode
 from gpunode.host import Host, ScriptedRunner
@@ -533,7 +535,9 @@ def test_json_output(admin: Node, api: ApiServer) -> None:
     code, out, _ = admin.advertise("--json")
     assert code == ExitCode.OK
     result = json.loads(out)
+    jsonschema.validate(result, schemas.load("node-advertise"))
     assert set(result) == {
+        "schema",
         "node",
         "node_source",
         "resource",
@@ -541,10 +545,14 @@ def test_json_output(admin: Node, api: ApiServer) -> None:
         "capacity_before",
         "status_patch",
         "node_patch",
+        "labels_set",
+        "labels_removed",
         "changed",
         "dry_run",
         "warnings",
+        "error",
     }
+    assert result["schema"] == "gpunode.node-advertise/v1" and result["error"] is None
     assert result["node"] == NODE and result["node_source"] == "/etc/hostname"
     assert result["resource"] == GPU and result["count"] == 8 and result["capacity_before"] is None
     assert result["status_patch"] == [
@@ -561,6 +569,7 @@ def test_json_output(admin: Node, api: ApiServer) -> None:
 
     code, out, _ = admin.withdraw("--json")
     withdrawn = json.loads(out)
+    jsonschema.validate(withdrawn, schemas.load("node-withdraw"))
     assert withdrawn["resource"] == GPU and withdrawn["changed"] is True
     assert withdrawn["status_patch"] == [
         {"op": "remove", "path": "/status/capacity/nvidia.com~1gpu"},
@@ -573,6 +582,12 @@ def test_json_output(admin: Node, api: ApiServer) -> None:
 
     code, out, _ = admin.withdraw("--json")
     assert json.loads(out)["changed"] is False
+
+    # A failure is one document too: the error with its exit code, nothing changed.
+    code, out, _ = admin.advertise("--json", "--node", "no-such-node")
+    failed = json.loads(out)
+    jsonschema.validate(failed, schemas.load("node-advertise"))
+    assert code == ExitCode.API and failed["error"]["exit_code"] == code and failed["changed"] is False
 
 
 # -- a device plugin that owns the resource -------------------------------------------------------------
