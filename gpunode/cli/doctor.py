@@ -45,6 +45,10 @@ def doctor(ctx: click.Context, as_json: bool) -> None:
     from gpunode.doctor import run_doctor
 
     app_state = state(ctx)
+    if as_json:
+        from gpunode import jsonout
+
+        jsonout.request("doctor")  # an error that stops doctor is a document too
     report = run_doctor(app_state.host, raise_bugs=app_state.debug)
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=2))

@@ -45,9 +45,13 @@ class Report:
         return counts
 
     def to_json(self) -> dict[str, Any]:
+        # The envelope every --json document has (gpunode/jsonout.py): doctor only reads, so changed is false.
         return {
             "schema": SCHEMA,
+            "changed": False,
+            "dry_run": False,
             "healthy": self.healthy,
             "counts": self.counts(),
             "checks": [f.to_json() for f in self.findings],
+            "error": None,
         }

@@ -196,3 +196,39 @@ def test_toolkit_install_status_uninstall(tmp_path: Path, capsys: pytest.Capture
     assert code == 0 and gone["changed"] and not any(fake.installed.get(p) for p in gone["packages"])
     code, status = run_json("toolkit-status", ["toolkit", "status", "--json"], host, capsys)
     assert code == ExitCode.UNHEALTHY and not status["healthy"]
+
+
+def test_doctor(tmp_path: Path, capsys: pytest.CaptureFixture[str], fake_nvml: Callable[..., None]) -> None:
+    fake_nvml(profile="dgx-a100")
+    host = fresh_node(tmp_path / "root")
+    code, report = run_json("doctor", ["doctor", "--json"], host, capsys)
+    assert code in (ExitCode.OK, ExitCode.UNHEALTHY) and not report["changed"]
+    assert report["healthy"] is (code == ExitCode.OK)
+    assert sum(report["counts"].values()) == len(report["checks"]) > 0
+
+
+def test_every_command_that_reports_or_changes_has_json_and_a_schema() -> None:
+    """Each command with --json ships its schema (the README documents the same list)."""
+    import click
+
+    from gpunode.cli.main import cli as app
+
+    def walk(
+        command: click.Command, path: tuple[str, ...]
+    ) -> Iterator[tuple[tuple[str, ...], click.Command]]:
+        if isinstance(command, click.Group):
+            for name in command.list_commands(click.Context(command)):
+                sub = command.get_command(click.Context(command), name)
+                if sub is not None:
+                    yield from walk(sub, (*path, name))
+        else:
+            yield path, command
+
+    with_json = {
+        "-".join(path) for path, command in walk(app, ()) if any("--json" in p.opts for p in command.params)
+    }
+    shipped = {p.name.removesuffix(".v1.json") for p in Path(schemas.__file__).parent.glob("*.v1.json")}
+    assert with_json <= shipped, f"--json without a schema: {sorted(with_json - shipped)}"
+    must = {"doctor", "configure-runtime", "toolkit-install", "toolkit-uninstall", "toolkit-status"}
+    must |= {"node-advertise", "node-withdraw", "up", "down"}
+    assert must <= with_json, f"commands without --json: {sorted(must - with_json)}"
