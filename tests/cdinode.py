@@ -8,6 +8,7 @@ they are on a GPU node) but their majors need not belong to a loaded driver: not
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import struct
@@ -118,3 +119,13 @@ def mig_proc(root: Path, gpu_minor: int, gi: int, ci: int, *, minors: tuple[int,
     (base / f"ci{ci}").mkdir(parents=True, exist_ok=True)
     (base / "access").write_text(f"DeviceFileMinor: {gi_minor}\nDeviceFileMode: 292\n")
     (base / f"ci{ci}" / "access").write_text(f"DeviceFileMinor: {ci_minor}\nDeviceFileMode: 292\n")
+
+
+def write_spec(directory: Path, names: Iterable[str], kind: str = "nvidia.com/gpu") -> Path:
+    """A minimal valid CDI spec defining `names` (each with one device node), for tests that need a spec
+    to exist rather than one true to a driver."""
+    devices = [{"name": n, "containerEdits": {"deviceNodes": [{"path": "/dev/null"}]}} for n in names]
+    path = directory / f"test-{kind.replace('/', '-')}.json"
+    directory.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"cdiVersion": "0.5.0", "kind": kind, "devices": devices}))
+    return path

@@ -34,10 +34,21 @@ class ListedDevice:
     detail: str | None = None
 
 
-def read_specs(host: Host, directories: tuple[str, ...] = SPEC_DIRS) -> list[SpecFile]:
+# The spec directories, in rising priority, where the runtime is configured to read others (containerd's
+# cdi_spec_dirs, CRI-O's cdi_spec_dirs): colon-separated, as the runtime's own list.
+SPEC_DIRS_ENV = "GPUNODE_CDI_SPEC_DIRS"
+
+
+def spec_dirs(host: Host) -> tuple[str, ...]:
+    value = host.env.get(SPEC_DIRS_ENV, "")
+    dirs = tuple(d.rstrip("/") or "/" for d in value.split(":") if d.startswith("/"))
+    return dirs or SPEC_DIRS
+
+
+def read_specs(host: Host, directories: tuple[str, ...] | None = None) -> list[SpecFile]:
     files: list[SpecFile] = []
     seen: set[str] = set()
-    for priority, directory in enumerate(directories):
+    for priority, directory in enumerate(directories or spec_dirs(host)):
         try:
             names = host.listdir(directory)
         except GpunodeError:
@@ -93,3 +104,10 @@ def list_devices(files: list[SpecFile]) -> list[ListedDevice]:
             else:
                 listed.append(ListedDevice(name, holder.path, "ok"))
     return listed
+
+
+def unresolvable(host: Host, kind: str, names: list[str]) -> list[str]:
+    """Those of `names` (device names of `kind`) that no valid spec defines, or that only a conflict
+    defines: what a runtime would answer with "unresolvable CDI devices"."""
+    resolved = {d.name for d in list_devices(read_specs(host)) if d.state == "ok"}
+    return [n for n in names if cdispec.qualified(kind, n) not in resolved]

@@ -293,6 +293,8 @@ class Plugin:
             sharing=Sharing(config.replicas, config.rename_by_default),
         )
         check_message_sizes(resources)
+        if not self.simulated:
+            self._check_cdi_spec(resources, first=first)
         self._inventory = inventory
         if not any(r.devices for r in resources):
             log.warning("NVML reports no GPUs; waiting for some to appear")
@@ -318,6 +320,38 @@ class Plugin:
                 f" ({resource.replicas} replicas per GPU)" if resource.replicas > 1 else "",
             )
         self._restart_health(inventory)
+
+    def _check_cdi_spec(self, resources: tuple[Resource, ...], *, first: bool) -> None:
+        """With a cdi-* strategy every device answered must be in a CDI spec the runtime reads: a name it
+        lacks fails each pod given it ("unresolvable CDI devices"), long after the plugin said ready. At
+        start that refuses the start; later (SIGHUP, new GPUs) it is logged, and the devices are served."""
+        config = self.config
+        if not any(s.startswith("cdi-") for s in config.device_list_strategy):
+            return
+        from gpunode.cdi.registry import spec_dirs, unresolvable
+
+        names = list(dict.fromkeys(d.visible_id for r in resources for d in r.devices))
+        missing = unresolvable(self.host, config.cdi_kind, names)
+        if not missing:
+            return
+        shown_names = ", ".join(f"{config.cdi_kind}={n}" for n in missing[:5])
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        strategies = " and ".join(s for s in config.device_list_strategy if s.startswith("cdi-"))
+        where = " or ".join(spec_dirs(self.host))
+        message = (
+            f"device-list strategy {strategies} answers with CDI devices that no spec in {where} defines "
+            f"(or that two specs define at once): {shown(shown_names)}{more}"
+        )
+        options = "" if config.cdi_kind == "nvidia.com/gpu" else f" --kind {config.cdi_kind}"
+        if config.driver_root != "/":
+            options += f" --driver-root {config.driver_root}"
+        fix = (
+            f"run `gpunode cdi generate{options}` (and `gpunode cdi install` to keep it current); "
+            "`gpunode cdi check` names any conflicting spec"
+        )
+        if first:
+            raise ConfigError(message, fix)
+        log.error("%s (fix: %s)", message, fix)
 
     def _restart_health(self, inventory: Inventory) -> None:
         if self._health is not None:

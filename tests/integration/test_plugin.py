@@ -56,7 +56,14 @@ def test_registers_and_lists_every_gpu_with_numa(kubelet: FakeKubelet, socket_di
 def test_allocate_and_its_refusals_over_grpc(kubelet: FakeKubelet, socket_dir: Path) -> None:
     import grpc
 
-    with PluginProcess(socket_dir, ["--device-list-strategy", "envvar,cdi-cri"], profile="pcie-4"):
+    from tests import cdinode
+    from tests.integration.test_cdi_plugin import uuids
+
+    # cdi-cri needs a CDI spec that holds the devices, or the plugin refuses to start (test_cdi_plugin).
+    specs = socket_dir.parent / "cdi"
+    cdinode.write_spec(specs, uuids("pcie-4"))
+    env = {"GPUNODE_CDI_SPEC_DIRS": str(specs)}
+    with PluginProcess(socket_dir, ["--device-list-strategy", "envvar,cdi-cri"], profile="pcie-4", env=env):
         kubelet.wait_registered(GPU)
         ids = [d.id for d in kubelet.wait_for_devices(GPU, lambda d: len(d) == 4)]
         answer = kubelet.allocate(GPU, [[ids[1], ids[3]]])

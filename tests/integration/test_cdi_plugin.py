@@ -1,0 +1,85 @@
+"""The device plugin with a cdi-* strategy and gpunode's CDI spec, as a real process (fake NVML, the fake
+kubelet): it refuses to start while no spec the runtime reads holds its devices, names them and the fix,
+and starts once `gpunode cdi generate` has written one; its answers are names that spec defines."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpunode.errors import ExitCode
+from tests import cdinode, fakenvml
+from tests.integration.kubelet import FakeKubelet
+from tests.integration.pluginproc import PluginProcess, short_tempdir
+
+GPU = "nvidia.com/gpu"
+
+
+def uuids(profile: str) -> list[str]:
+    """The GPU UUIDs the fake NVML library gives `profile` (asked in a process of its own)."""
+    code = (
+        "from gpunode.nvml import discover; import json; print(json.dumps([g.uuid for g in discover().gpus]))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        env={**os.environ, **fakenvml.env(profile)},
+    )
+    names: list[str] = json.loads(result.stdout)
+    return names
+
+
+@pytest.fixture
+def base() -> Iterator[Path]:
+    with short_tempdir() as path:
+        yield path
+
+
+def test_the_plugin_refuses_to_start_without_its_devices_in_a_spec(base: Path) -> None:
+    specs = base / "cdi"
+    cdinode.write_spec(specs, uuids("pcie-4")[:3])  # GPU 3 is missing
+    env = {"GPUNODE_CDI_SPEC_DIRS": str(specs)}
+    with FakeKubelet(base / "device-plugins") as kubelet:
+        plugin = PluginProcess(
+            base / "device-plugins", ["--device-list-strategy", "cdi-cri"], env=env
+        ).start()
+        try:
+            assert plugin.wait(60) == ExitCode.CONFIG
+        finally:
+            plugin.stop()
+        log = plugin.log()
+        assert f"{GPU}={uuids('pcie-4')[3]}" in log and f"{GPU}={uuids('pcie-4')[0]}" not in log
+        assert "gpunode cdi generate" in log
+        assert kubelet.registrations(GPU) == []  # it never said ready
+
+
+def test_the_plugin_answers_with_names_of_gpunodes_generated_spec(base: Path) -> None:
+    driver = base / "drv"
+    cdinode.make_driver(driver, "550.54.15", gpus=range(4))
+    specs = base / "cdi"
+    subprocess.run(
+        [sys.executable, "-m", "gpunode", "cdi", "generate", "--driver-root", str(driver),
+         "--output", str(specs / "gpunode.yaml"), "--hook-program", str(driver / "usr/bin/nvidia-ctk")],
+        check=True, timeout=120, capture_output=True, env={**os.environ, **fakenvml.env("pcie-4")},
+    )  # fmt: skip
+    env = {"GPUNODE_CDI_SPEC_DIRS": str(specs)}
+    args = ["--device-list-strategy", "cdi-cri,cdi-annotations", "--device-id-strategy", "index"]
+    with (
+        FakeKubelet(base / "device-plugins") as kubelet,
+        PluginProcess(base / "device-plugins", args, env=env),
+    ):
+        kubelet.wait_registered(GPU)
+        ids = [d.id for d in kubelet.wait_for_devices(GPU, lambda d: len(d) == 4)]
+        assert ids == ["0", "1", "2", "3"]
+        [container] = kubelet.allocate(GPU, [["2"]]).container_responses
+        assert [c.name for c in container.cdi_devices] == [f"{GPU}=2"]
+        assert dict(container.annotations) == {"cdi.k8s.io/gpunode_2": f"{GPU}=2"}
