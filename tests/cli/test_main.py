@@ -69,3 +69,40 @@ def test_documented_values() -> None:
 def test_exit_codes_are_distinct() -> None:
     values = [int(c) for c in ExitCode]
     assert len(values) == len(set(values))
+
+
+def test_the_command_modules_do_not_import_main() -> None:
+    """Shared CLI state lives in cli/state.py: main imports the command modules, never the other way round."""
+    from pathlib import Path
+
+    cli = Path(cli_main.__file__).parent
+    for path in sorted(cli.glob("*.py")):
+        if path.name in ("main.py", "entry.py"):  # entry.py is the console script that runs main
+            continue
+        text = path.read_text()
+        assert "gpunode.cli.main" not in text and "from gpunode.cli import main" not in text, path.name
+
+
+def test_ctrl_c_at_a_prompt_is_130(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import click
+
+    import gpunode.doctor
+
+    # click.confirm turns Ctrl-C at its prompt into Abort: the same quiet 130 as a KeyboardInterrupt.
+    monkeypatch.setattr(gpunode.doctor, "run_doctor", lambda host, **kw: _raise(click.exceptions.Abort()))
+    assert cli_main.main(["doctor"], host=Host()) == ExitCode.INTERRUPTED
+    assert capsys.readouterr().err == "gpunode: interrupted\n"
+
+
+def test_a_commands_exit_status_passes_through(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import gpunode.doctor
+    from gpunode.doctor import Finding, Report, Status
+
+    failed = Report((Finding("driver.module", Status.FAIL, "no driver", None, "install it"),))
+    monkeypatch.setattr(gpunode.doctor, "run_doctor", lambda host, **kw: failed)
+    assert cli_main.main(["doctor"], host=Host()) == ExitCode.UNHEALTHY
+    assert "FAIL    driver.module  no driver" in capsys.readouterr().out
