@@ -18,7 +18,10 @@ def script(root: click.Command, shell: str) -> str:
     completion_class = get_completion_class(shell)
     if completion_class is None:  # click.Choice has refused anything else already
         raise click.BadParameter(f"no completion for {shell}")
-    return completion_class(root, {}, "gpunode", COMPLETE_VAR).source()
+    source = completion_class(root, {}, "gpunode", COMPLETE_VAR).source()
+    # click's fish script splits each answer "type,value<TAB>help" at every comma, so a help text with a
+    # comma loses its end ("Add the NVIDIA runtime to docker"): split at the first comma only.
+    return source.replace('(string split "," $completion)', '(string split -m 1 "," $completion)')
 
 
 @click.command(
