@@ -4,6 +4,7 @@ every command's help ends with (the README is not installed with the tool)."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import click
@@ -12,9 +13,23 @@ if TYPE_CHECKING:
     from gpunode.host import Host
 
 
+class HelpFormatter(click.HelpFormatter):
+    """click's help, but on a narrow terminal each option's text goes under its name, across the width,
+    instead of in a column a few characters wide beside names that take 30."""
+
+    def write_dl(self, rows: Iterable[tuple[str, str]], col_max: int = 30, col_spacing: int = 2) -> None:
+        super().write_dl(rows, col_max=col_max if self.width >= 70 else 0, col_spacing=col_spacing)
+
+
+class Context(click.Context):
+    formatter_class = HelpFormatter
+
+
 class Command(click.Command):
     """Every gpunode command: a usage error always knows its command, so the error can name that
     command's help (click's parser raises some, such as a missing option value, without it)."""
+
+    context_class = Context
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         try:
@@ -27,6 +42,7 @@ class Command(click.Command):
 class Group(click.Group):
     """A group of gpunode commands (`gpunode plugin ...`); see Command."""
 
+    context_class = Context
     command_class = Command
 
     def list_commands(self, ctx: click.Context) -> list[str]:

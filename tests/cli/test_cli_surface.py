@@ -50,13 +50,16 @@ def every_command() -> Iterator[tuple[str, click.Command]]:
 def help_text(path: str, width: int) -> str:
     """The help of `path` as click renders it for a terminal `width` columns wide."""
     names = path.split()[1:]
-    ctx = click.Context(cli_main.cli, info_name="gpunode", terminal_width=width, max_content_width=width)
-    command: click.Command = cli_main.cli
+    root = cli_main.cli
+    ctx: click.Context = root.context_class(
+        root, info_name="gpunode", terminal_width=width, max_content_width=width
+    )
+    command: click.Command = root
     for name in names:
         assert isinstance(command, click.Group)
         sub = command.get_command(ctx, name)
         assert sub is not None
-        ctx = click.Context(sub, info_name=name, parent=ctx)
+        ctx = sub.context_class(sub, info_name=name, parent=ctx)  # gpunode's, with its help formatter
         command = sub
     return command.get_help(ctx)
 
@@ -220,6 +223,16 @@ def test_option_names_are_never_truncated(width: int) -> None:
             for name in [*param.opts, *param.secondary_opts]:
                 if isinstance(param, click.Option):
                     assert name in text, f"{path}: {name} at {width} columns"
+
+
+def test_a_narrow_terminal_gets_each_options_text_under_its_name() -> None:
+    for path, _ in every_command():
+        text = help_text(path, 40)
+        options = text.split("Options:\n", 1)[1].split("\n\n", 1)[0].splitlines()
+        for line in options:
+            # An option's names on a line of their own (never cut), its text under them within 40 columns.
+            under = line.startswith("    ") and not line.startswith("     ") and len(line) <= 40
+            assert line.startswith("  -") or under, f"{path}: {line!r}"
 
 
 def test_help_off_a_terminal_is_not_wrapped(capsys: pytest.CaptureFixture[str]) -> None:
