@@ -48,10 +48,10 @@ from tests.integration.pluginproc import PluginProcess, short_tempdir  # noqa: E
 
 GPU = "nvidia.com/gpu"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
-IMPORTS = "import grpc, pynvml, typer, gpunode.plugin.lifecycle"  # the plugin's main dependencies
+IMPORTS = "import grpc, pynvml, click, gpunode.plugin.lifecycle"  # the plugin's main dependencies
 # Every module `gpunode plugin run` imports before it registers (python -X importtime), CLI included.
 ALL_IMPORTS = (
-    "import gpunode.cli.main, typer._adapters, pydantic.plugin._loader, gpunode.plugin.runner, "
+    "import gpunode.cli.main, gpunode.cli.plugin, gpunode.plugin.runner, "
     "gpunode.plugin.lifecycle, gpunode.runtimes.edits, gpunode.plugin.driver, pynvml, grpc._server, "
     "grpc._channel"
 )
@@ -748,8 +748,8 @@ def print_rss(rss: dict[str, str]) -> None:
         **rss,
         "for comparison: `python -c pass`": mib(import_rss("pass")),
         f"for comparison: a fresh interpreter after `{IMPORTS}`": mib(import_rss(IMPORTS)),
-        "for comparison: a fresh interpreter after every module the plugin imports (CLI, typer, pydantic, "
-        "tomlkit included)": mib(import_rss(ALL_IMPORTS)),
+        "for comparison: a fresh interpreter after every module the plugin imports (CLI and tomlkit "
+        "included)": mib(import_rss(ALL_IMPORTS)),
     }
     table(["when", "RSS"], [[k, v] for k, v in rss.items()])
 
