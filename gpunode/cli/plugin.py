@@ -54,7 +54,22 @@ def _switch(flag: str, env: str, text: str) -> Callable[[F], F]:
     "...): demos and scheduler tests on GPU-less clusters.",
 )
 @click.option(
-    "--show-config", is_flag=True, help="Print every setting, its value and where it came from; then exit."
+    "--show-config",
+    is_flag=True,
+    help="Print every setting as TOML (a config file the plugin reads back), each with a comment saying "
+    "where its value came from; then exit.",
+)
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="With --show-config: print one JSON document (schema gpunode.plugin-run/v1) instead.",
+)
+@click.option(
+    "--status-file",
+    metavar="PATH",
+    help="Where to keep the status file `gpunode plugin status` reads (env GPUNODE_PLUGIN_STATUS_FILE; "
+    "default /run/gpunode/plugin-status.json).",
 )
 @_flag("--resource-name", "GPUNODE_RESOURCE_NAME", "Resource to advertise (default nvidia.com/gpu).", "NAME")
 @_flag("--mig-strategy", "GPUNODE_MIG_STRATEGY", "none | single | mixed (default none).", "STRATEGY")
@@ -116,6 +131,8 @@ def run(
     config: str | None,
     simulate: str | None,
     show_config: bool,
+    as_json: bool,
+    status_file: str | None,
     resource_name: str | None,
     mig_strategy: str | None,
     device_list_strategy: str | None,
@@ -163,24 +180,31 @@ def run(
         "health.critical_xids": critical_xids,
         "health.recovery_quiet_period": recovery_quiet_period,
     }
-    if show_config:
-        import os
-
-        from gpunode.plugin.config import describe, load_config
-
-        resolved = load_config(app_state.host, config_path=config, env=os.environ, flags=flags)
-        rows = describe(resolved)
-        width = max(len(k) for k, _, _ in rows)
-        for key, value, origin in rows:
-            click.echo(f"{key:<{width}}  {value or '(none)'}  [{origin}]")
+    if show_config or as_json:
+        _show_config(app_state.host, config, flags, as_json=as_json, show_config=show_config)
         return
 
     from gpunode.plugin.runner import run_plugin
 
-    run_plugin(app_state.host, config_path=config, flags=flags, simulate=simulate, debug=app_state.debug)
+    run_plugin(
+        app_state.host,
+        config_path=config,
+        flags=flags,
+        simulate=simulate,
+        debug=app_state.debug,
+        status_file=status_file,
+    )
 
 
-@app.command("install", epilog=exit_codes("0    installed and registered with kubelet (or already so)"))
+@app.command(
+    "install",
+    epilog=exit_codes(
+        "0    installed and registered with kubelet (or already so)",
+        "4    the --config file does not load",
+        "5    not root (without --dry-run)",
+        "8    the plugin did not become ready within 120 s",
+    ),
+)
 @click.option(
     "--config",
     metavar="FILE",
@@ -188,12 +212,18 @@ def run(
 )
 @click.option("--dry-run", is_flag=True, help="Print the unit and the commands; change nothing.")
 @click.option("--no-start", is_flag=True, help="Install and enable, but do not start it now.")
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print one JSON document (schema gpunode.plugin-install/v1)."
+)
 @click.pass_context
-def install(ctx: click.Context, config: str | None, dry_run: bool, no_start: bool) -> None:
+def install(ctx: click.Context, config: str | None, dry_run: bool, no_start: bool, as_json: bool) -> None:
     """Install the plugin as the systemd service gpunode-device-plugin, start it, wait until registered."""
+    from gpunode import jsonout
     from gpunode.cli.state import state
     from gpunode.systemd import service
 
+    if as_json:
+        jsonout.request("plugin-install", dry_run=dry_run)
     host = state(ctx).host
     if not dry_run:
         service.require_root(host, "plugin install")
@@ -201,15 +231,32 @@ def install(ctx: click.Context, config: str | None, dry_run: bool, no_start: boo
         host, config_file=config, start=not no_start, executable=service.gpunode_executable()
     )
     if dry_run:
-        _print_plan(plan)
+        if as_json:
+            jsonout.emit(jsonout.document("plugin-install", changed=False, dry_run=True, **_plan_json(plan)))
+        else:
+            _print_plan(plan)
         return
     if plan.changes_nothing and (no_start or service.service_state(host).active == "active"):
+        current = service.service_state(host)
+        if as_json:
+            jsonout.emit(
+                jsonout.document(
+                    "plugin-install", changed=False, **_plan_json(plan), state=_state_json(current)
+                )
+            )
+            return
         click.echo(f"{service.UNIT} is installed and up to date; nothing to do")
-        _print_state(service.service_state(host))
+        _print_state(current)
         return
-    for note in plan.notes:
-        click.echo(f"note: {note}")
+    if not as_json:
+        for note in plan.notes:
+            click.echo(f"note: {note}")
     result = service.apply_install(host, plan)
+    if as_json:
+        jsonout.emit(
+            jsonout.document("plugin-install", changed=True, **_plan_json(plan), state=_state_json(result))
+        )
+        return
     for f in plan.files:
         click.echo(f"{'wrote' if f.changed else 'unchanged'} {f.path}")
     for argv in plan.commands:
@@ -217,25 +264,45 @@ def install(ctx: click.Context, config: str | None, dry_run: bool, no_start: boo
     _print_state(result)
 
 
-@app.command("uninstall", epilog=exit_codes("0    removed (or was not installed)"))
+@app.command(
+    "uninstall",
+    epilog=exit_codes("0    removed (or was not installed)", "5    not root (without --dry-run)"),
+)
 @click.option("--dry-run", is_flag=True, help="Print what would be stopped and removed.")
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print one JSON document (schema gpunode.plugin-uninstall/v1)."
+)
 @click.pass_context
-def uninstall(ctx: click.Context, dry_run: bool) -> None:
+def uninstall(ctx: click.Context, dry_run: bool, as_json: bool) -> None:
     """Stop and disable the service and remove the files `plugin install` wrote (nothing else)."""
+    from gpunode import jsonout
     from gpunode.cli.state import state
     from gpunode.systemd import service
 
+    if as_json:
+        jsonout.request("plugin-uninstall", dry_run=dry_run)
     host = state(ctx).host
     if not dry_run:
         service.require_root(host, "plugin uninstall")
     plan = service.plan_uninstall(host)
     if dry_run:
-        _print_plan(plan)
+        if as_json:
+            jsonout.emit(
+                jsonout.document("plugin-uninstall", changed=False, dry_run=True, **_plan_json(plan))
+            )
+        else:
+            _print_plan(plan)
+        return
+    if not plan.changes_nothing:
+        service.apply_uninstall(host, plan)
+    if as_json:
+        jsonout.emit(
+            jsonout.document("plugin-uninstall", changed=not plan.changes_nothing, **_plan_json(plan))
+        )
         return
     if plan.changes_nothing:
         click.echo(f"{service.UNIT} is not installed; nothing to do")
     else:
-        service.apply_uninstall(host, plan)
         for argv in plan.commands:
             click.echo(f"ran {' '.join(argv)}")
         for path in plan.remove:
@@ -246,19 +313,131 @@ def uninstall(ctx: click.Context, dry_run: bool) -> None:
 
 @app.command(
     "status",
-    epilog=exit_codes("0    the service is active and the plugin registered", "1    it is not"),
+    epilog=exit_codes(
+        "0    the plugin is running and registered (and the service active, where systemd runs it)",
+        "1    it is not, or no status file was found (the output says where it looked)",
+    ),
+)
+@click.option(
+    "--status-file",
+    metavar="PATH",
+    help="Read this status file: the one a plugin started by hand or in a container was given with "
+    "`plugin run --status-file` (env GPUNODE_PLUGIN_STATUS_FILE). Default: where the systemd unit tells the "
+    "service to write it, else /run/gpunode/plugin-status.json.",
+)
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print one JSON document (schema gpunode.plugin-status/v1)."
 )
 @click.pass_context
-def status(ctx: click.Context) -> None:
-    """The service's state, whether the plugin is registered with kubelet, and the devices it serves."""
+def status(ctx: click.Context, status_file: str | None, as_json: bool) -> None:
+    """The plugin's state: whether each resource is registered with kubelet, its devices' health, the GPUs
+    it cannot monitor, and the service's state where systemd runs it."""
+    from gpunode import jsonout
     from gpunode.cli.state import state
     from gpunode.errors import ExitCode
     from gpunode.systemd import service
 
-    current = service.service_state(state(ctx).host)
-    _print_state(current)
-    if current.active != "active" or not (current.plugin or {}).get("ready"):
+    if as_json:
+        jsonout.request("plugin-status")
+    host = state(ctx).host
+    current = service.service_state(host, status_file=status_file, env=host.env)
+    ok = _status_ok(current)
+    if as_json:
+        jsonout.emit(jsonout.document("plugin-status", changed=False, ready=ok, **_state_json(current)))
+    else:
+        _print_state(current)
+    if not ok:
         raise click.exceptions.Exit(int(ExitCode.UNHEALTHY))
+
+
+def _status_ok(current: Any) -> bool:
+    """Registered, and running: the file's process alive and, when the file is the service's, the unit
+    active (a file left by a service that died would still say ready)."""
+    lookup = current.lookup
+    if not lookup.ready:
+        return False
+    explicit = lookup.found is not None and lookup.found.source.startswith(("flag ", "env "))
+    if explicit or not current.installed:
+        return True
+    return bool(current.active == "active")
+
+
+def _plan_json(plan: Any) -> dict[str, Any]:
+    return {
+        "files": [
+            {
+                "path": f.path,
+                "action": "unchanged" if not f.changed else ("create" if f.before is None else "replace"),
+                "content": f.content,
+            }
+            for f in plan.files
+        ],
+        "commands": [list(argv) for argv in plan.commands],
+        "remove": list(plan.remove),
+        "wait_ready": plan.wait_ready,
+        "notes": list(plan.notes),
+    }
+
+
+def _state_json(current: Any) -> dict[str, Any]:
+    props = current.properties
+    lookup = current.lookup
+    return {
+        "service": {
+            "unit": "gpunode-device-plugin.service",
+            "installed": current.installed,
+            "active_state": props.get("ActiveState"),
+            "sub_state": props.get("SubState"),
+            "unit_file_state": props.get("UnitFileState"),
+            "main_pid": int(props["MainPID"]) if props.get("MainPID", "").isdigit() else None,
+            "restarts": int(props["NRestarts"]) if props.get("NRestarts", "").isdigit() else None,
+            "status_text": props.get("StatusText"),
+        },
+        "status_file": None
+        if lookup.found is None
+        else {"path": lookup.found.path, "source": lookup.found.source},
+        "looked": [{"path": p.path, "source": p.source} for p in lookup.looked],
+        "problem": lookup.problem,
+        "pid_running": lookup.pid_running,
+        "plugin": lookup.document,
+    }
+
+
+def _show_config(
+    host: Any, config: str | None, flags: dict[str, Any], *, as_json: bool, show_config: bool
+) -> None:
+    import os
+
+    from gpunode import jsonout
+    from gpunode.errors import UsageError
+    from gpunode.plugin.config import OPTIONS, load_config, to_toml, value_of
+
+    if as_json:
+        jsonout.request("plugin-run")
+    if not show_config:
+        raise UsageError("plugin run: --json goes with --show-config", "add --show-config")
+    resolved = load_config(host, config_path=config, env=os.environ, flags=flags)
+    if not as_json:
+        click.echo(to_toml(resolved), nl=False)
+        return
+    settings = [
+        {
+            "key": o.key,
+            "value": value_of(resolved, o),
+            "origin": resolved.origins.get(o.name, "default"),
+            "env": o.env,
+            "flag": o.flag,
+        }
+        for o in OPTIONS
+    ]
+    jsonout.emit(
+        jsonout.document(
+            "plugin-run",
+            changed=False,
+            settings=settings,
+            all_xids_critical=resolved.health.all_xids_critical,
+        )
+    )
 
 
 def _print_plan(plan: Any) -> None:
@@ -281,15 +460,27 @@ def _print_plan(plan: Any) -> None:
 
 def _print_state(current: Any) -> None:
     props = current.properties
-    click.echo(
-        f"service: {props.get('ActiveState', 'unknown')} ({props.get('SubState', '?')}), "
-        f"{props.get('UnitFileState', 'unknown')}, restarts {props.get('NRestarts', '?')}"
-    )
-    plugin = current.plugin
-    if not plugin:
-        click.echo("plugin: no status (not running)")
+    if current.installed:
+        click.echo(
+            f"service: {props.get('ActiveState', 'unknown')} ({props.get('SubState', '?')}), "
+            f"{props.get('UnitFileState', 'unknown')}, restarts {props.get('NRestarts', '?')}"
+        )
+    else:
+        click.echo("service: gpunode-device-plugin.service is not installed (or systemd does not answer)")
+    lookup = current.lookup
+    if lookup.found is None:
+        click.echo("plugin: no status (not running); looked for its status file at:")
+        for place in lookup.looked:
+            click.echo(f"  {place.path} ({place.source})")
+        click.echo("  (a plugin run by hand or in a container: --status-file PATH, as it was given)")
         return
-    click.echo(f"plugin: pid {plugin.get('pid')}, {plugin.get('summary')}")
+    click.echo(f"status file: {lookup.found.path} ({lookup.found.source})")
+    if lookup.problem:
+        click.echo(f"plugin: unreadable status: {lookup.problem}")
+        return
+    plugin = current.plugin
+    stale = " (not running: the file is stale)" if lookup.pid_running is False else ""
+    click.echo(f"plugin: pid {plugin.get('pid')}{stale}, {plugin.get('summary')}")
     for resource in plugin.get("resources") or []:
         state_text = (
             "registered" if resource.get("registered") else (resource.get("refused") or "not registered")

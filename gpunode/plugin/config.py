@@ -333,6 +333,67 @@ def _check_combination(config: PluginConfig) -> None:
             raise ConfigError(f"mig-strategy mixed: {domain!r} cannot prefix MIG resource names")
 
 
+def value_of(config: PluginConfig, option: Option) -> Any:
+    """The option's resolved value as TOML and JSON hold it: lists for tuples and sets (Xids sorted)."""
+    if option.name.startswith("health."):
+        value: Any = getattr(config.health, option.name.removeprefix("health."))
+    else:
+        value = getattr(config, option.name)
+    if isinstance(value, frozenset):
+        return sorted(value)
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
+def _toml_string(text: str) -> str:
+    # A TOML basic string: `"` and `\` escaped, and every control character (TOML forbids them raw, DEL
+    # included) as \uXXXX. json.dumps would do nearly this but writes astral characters as surrogate pairs,
+    # which TOML refuses.
+    out = []
+    for char in text:
+        if char in '"\\':
+            out.append("\\" + char)
+        elif ord(char) < 0x20 or ord(char) == 0x7F:
+            out.append(f"\\u{ord(char):04x}")
+        else:
+            out.append(char)
+    return '"' + "".join(out) + '"'
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)  # floats as 60.0, so they read back as floats
+    if isinstance(value, str):
+        return _toml_string(value)
+    return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+
+
+def _comment(text: str) -> str:
+    # An origin names a file path, which may hold anything: a newline would end the comment and start a key.
+    return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in text)
+
+
+def to_toml(config: PluginConfig) -> str:
+    """The resolved config as a TOML document the plugin reads back to the same values (`--show-config`),
+    each key followed by a comment saying where its value came from."""
+    top: list[str] = []
+    tables: dict[str, list[str]] = {}
+    for option in OPTIONS:
+        table, dot, key = option.key.rpartition(".")
+        line = f"{key} = {_toml_value(value_of(config, option))}"
+        origin = _comment(config.origins.get(option.name, "default"))
+        (tables.setdefault(table, []) if dot else top).append(f"{line}  # from: {origin}")
+    if config.health.all_xids_critical:
+        # Not a key of the file: only NVIDIA's DP_ENABLE_HEALTHCHECKS=all sets it.
+        tables["health"].insert(0, "# every Xid is critical (DP_ENABLE_HEALTHCHECKS=all; no key sets this)")
+    parts = ["\n".join(top)]
+    parts += [f"[{name}]\n" + "\n".join(lines) for name, lines in tables.items()]
+    return "\n\n".join(parts) + "\n"
+
+
 def describe(config: PluginConfig) -> list[tuple[str, str, str]]:
     """(key, value, origin) for every option: what `gpunode plugin run --show-config` prints."""
     rows: list[tuple[str, str, str]] = []
@@ -361,4 +422,6 @@ __all__ = [
     "load_config",
     "read_config_file",
     "resource_name_problem",
+    "to_toml",
+    "value_of",
 ]

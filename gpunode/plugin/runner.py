@@ -15,10 +15,10 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from gpunode import paths
 from gpunode.errors import GpunodeError
 from gpunode.host import Host
 from gpunode.nvml.model import Inventory
+from gpunode.plugin import statusfile
 from gpunode.plugin.config import PluginConfig, load_config
 
 if TYPE_CHECKING:
@@ -26,18 +26,19 @@ if TYPE_CHECKING:
     from gpunode.systemd.notify import Notifier
 
 
-STATUS_FILE = paths.PLUGIN_STATUS_FILE
-STATUS_FILE_ENV = "GPUNODE_PLUGIN_STATUS_FILE"  # another place, for a second plugin (tests, benchmarks)
+STATUS_FILE = statusfile.DEFAULT
+STATUS_FILE_ENV = statusfile.ENV  # another place: a second plugin (tests, benchmarks), a container
 
 
 class StatusReporter:
     """Tells systemd (READY=1 once every resource is registered, STATUS= on every change) and leaves the
-    same facts in /run/gpunode/plugin-status.json for `gpunode plugin status`."""
+    same facts in the status file (--status-file, $GPUNODE_PLUGIN_STATUS_FILE, else
+    /run/gpunode/plugin-status.json) for `gpunode plugin status`."""
 
-    def __init__(self, host: Host, notifier: Notifier) -> None:
+    def __init__(self, host: Host, notifier: Notifier, path: str | None = None) -> None:
         self.host = host
         self.notifier = notifier
-        self.path = host.env.get(STATUS_FILE_ENV) or STATUS_FILE
+        self.path = path or statusfile.plugin_path(None, host.env)[0]
         self.ready_sent = False
         self.was_ready = False
         self.last: str | None = None
@@ -77,9 +78,10 @@ class StatusReporter:
             if message != self.write_error:  # once per distinct failure: it recurs on every update
                 self.log.warning(
                     "cannot write the status file %s (%s); serving on without it (`gpunode plugin status` "
-                    "will not see this plugin; %s puts the file elsewhere)",
+                    "will not see this plugin; %s or %s puts the file elsewhere)",
                     self.path,
                     message,
+                    statusfile.FLAG,
                     STATUS_FILE_ENV,
                 )
                 self.write_error = message
@@ -175,24 +177,32 @@ def run_plugin(
     flags: Mapping[str, Any],
     simulate: str | None,
     debug: bool,
+    status_file: str | None = None,
 ) -> None:
     """Serve until SIGTERM/SIGINT; SIGHUP reloads. Raises GpunodeError for what stops it at start."""
     writer = setup_logging(debug, os.environ)
     try:
-        _serve(host, config_path=config_path, flags=flags, simulate=simulate)
+        _serve(host, config_path=config_path, flags=flags, simulate=simulate, status_file=status_file)
     finally:
         # Every line logged so far is written before the process exits (or the CLI prints an error).
         writer.stop()
 
 
-def _serve(host: Host, *, config_path: str | None, flags: Mapping[str, Any], simulate: str | None) -> None:
+def _serve(
+    host: Host,
+    *,
+    config_path: str | None,
+    flags: Mapping[str, Any],
+    simulate: str | None,
+    status_file: str | None,
+) -> None:
     from gpunode.plugin.lifecycle import Plugin
     from gpunode.systemd.notify import Notifier
 
     log = logging.getLogger("gpunode.plugin")
     loader = config_loader(host, config_path, flags)
     notifier = Notifier()
-    reporter = StatusReporter(host, notifier)
+    reporter = StatusReporter(host, notifier, statusfile.plugin_path(status_file, host.env)[0])
     interval = notifier.watchdog_interval
     plugin = Plugin(
         host,

@@ -14,7 +14,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -22,6 +22,7 @@ from pathlib import Path
 from gpunode import paths
 from gpunode.errors import CommandFailed, GpunodeError, NotFound, PermissionDenied
 from gpunode.host import Host
+from gpunode.plugin import statusfile
 from gpunode.services import journal_tail
 
 UNIT = paths.PLUGIN_SERVICE
@@ -32,7 +33,19 @@ BACKUP_DIR = "/var/lib/gpunode/backups"
 STATUS_FILE = paths.PLUGIN_STATUS_FILE
 READY_TIMEOUT = 120.0
 SYSTEMCTL_TIMEOUT = 60.0
-SHOW_PROPERTIES = ("ActiveState", "SubState", "UnitFileState", "StatusText", "MainPID", "NRestarts", "Result")
+SHOW_PROPERTIES = (
+    "LoadState",
+    "ActiveState",
+    "SubState",
+    "UnitFileState",
+    "StatusText",
+    "MainPID",
+    "NRestarts",
+    "Result",
+    # Where the service is told to write its status file (GPUNODE_PLUGIN_STATUS_FILE), if anywhere else.
+    "Environment",
+    "EnvironmentFiles",
+)
 
 
 @dataclass(frozen=True)
@@ -64,6 +77,12 @@ class ServicePlan:
 class ServiceState:
     properties: dict[str, str] = field(default_factory=dict)
     plugin: dict[str, object] | None = None  # the plugin's own status file, when it is running
+    lookup: statusfile.Lookup = field(default_factory=statusfile.Lookup)  # where that file was looked for
+
+    @property
+    def installed(self) -> bool:
+        """systemd knows the unit (False also when systemctl does not answer: no systemd, a container)."""
+        return bool(self.properties) and self.properties.get("LoadState") != "not-found"
 
     @property
     def active(self) -> str:
@@ -148,24 +167,31 @@ def hardening_relaxed(executable: str) -> list[str]:
     ]
 
 
-def service_state(host: Host) -> ServiceState:
-    result = host.run(
-        ["systemctl", "show", UNIT, *(f"--property={p}" for p in SHOW_PROPERTIES)], timeout=SYSTEMCTL_TIMEOUT
-    )
+def service_state(
+    host: Host, *, status_file: str | None = None, env: Mapping[str, str] | None = None
+) -> ServiceState:
+    """systemd's view of the unit and the plugin's status file: `status_file`, else
+    $GPUNODE_PLUGIN_STATUS_FILE in `env`, else where the unit tells the service to write it, else the
+    default."""
     props: dict[str, str] = {}
-    if result.ok:
+    try:
+        result = host.run(
+            ["systemctl", "show", UNIT, *(f"--property={p}" for p in SHOW_PROPERTIES)],
+            timeout=SYSTEMCTL_TIMEOUT,
+        )
+    except CommandFailed:
+        result = None  # no systemctl (a container): the status file alone tells the plugin's state
+    if result is not None and result.ok:
         for line in result.stdout.splitlines():
             key, _, value = line.partition("=")
-            props[key.strip()] = value.strip()
-    plugin = None
-    text = host.read_text_if_exists(STATUS_FILE)
-    if text:
-        try:
-            loaded = json.loads(text)
-            plugin = loaded if isinstance(loaded, dict) else None
-        except ValueError:
-            plugin = None
-    return ServiceState(props, plugin)
+            key, value = key.strip(), value.strip()
+            if key == "EnvironmentFiles" and props.get(key):  # one line per file
+                value = f"{props[key]}\n{value}"
+            props[key] = value
+    lookup = statusfile.find(
+        host, flag=status_file, env=env if env is not None else {}, unit=UNIT, unit_properties=props
+    )
+    return ServiceState(props, lookup.document, lookup)
 
 
 def plan_install(host: Host, *, config_file: str | None, start: bool, executable: str) -> ServicePlan:

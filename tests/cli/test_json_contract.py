@@ -232,3 +232,94 @@ def test_every_command_that_reports_or_changes_has_json_and_a_schema() -> None:
     must = {"doctor", "configure-runtime", "toolkit-install", "toolkit-uninstall", "toolkit-status"}
     must |= {"node-advertise", "node-withdraw", "up", "down"}
     assert must <= with_json, f"commands without --json: {sorted(must - with_json)}"
+
+
+def test_plugin_run_show_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GPUNODE_REPLICAS", "2")
+    monkeypatch.delenv("GPUNODE_PLUGIN_CONFIG", raising=False)
+    host = Host(root=tmp_path, env={})
+    argv = ["plugin", "run", "--show-config", "--json", "--mig-strategy", "mixed"]
+    code, doc = run_json("plugin-run", argv, host, capsys)
+    assert code == 0 and not doc["changed"] and not doc["all_xids_critical"]
+    settings = {s["key"]: s for s in doc["settings"]}
+    assert (
+        settings["mig-strategy"]["value"] == "mixed"
+        and settings["mig-strategy"]["origin"] == "flag --mig-strategy"
+    )
+    assert settings["time-slicing.replicas"] == {
+        "key": "time-slicing.replicas",
+        "value": 2,
+        "origin": "env GPUNODE_REPLICAS",
+        "env": "GPUNODE_REPLICAS",
+        "flag": "--replicas",
+    }
+    assert settings["health.ignored-xids"]["value"] == [13, 31, 43, 45, 68, 109]
+    code, failed = run_json("plugin-run", [*argv[:4], "--mig-strategy", "all"], host, capsys)
+    assert code == ExitCode.CONFIG and "--mig-strategy" in failed["error"]["message"]
+
+
+def test_plugin_install_status_uninstall(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import os
+
+    from tests.unit.test_service_plan import FakeSystemctl
+
+    systemctl = FakeSystemctl()
+    host = Host(root=tmp_path, runner=systemctl, env={}, euid=0)
+    code, plan = run_json("plugin-install", ["plugin", "install", "--dry-run", "--json"], host, capsys)
+    assert code == 0 and plan["dry_run"] and not plan["changed"] and "state" not in plan
+    assert plan["files"][0]["action"] == "create" and "ExecStart=" in plan["files"][0]["content"]
+    assert ["systemctl", "start", "--no-block", "gpunode-device-plugin.service"] in plan["commands"]
+    assert not (tmp_path / "etc").exists()
+
+    code, done = run_json("plugin-install", ["plugin", "install", "--json"], host, capsys)
+    assert code == 0 and done["changed"] and done["state"]["service"]["active_state"] == "active"
+    code, again = run_json("plugin-install", ["plugin", "install", "--json"], host, capsys)
+    assert code == 0 and not again["changed"] and again["files"][0]["action"] == "unchanged"
+
+    # Active, but no status file yet: not ready (exit 1), the document says where it looked.
+    code = main(["plugin", "status", "--json"], host=host)
+    waiting = json.loads(capsys.readouterr().out)
+    jsonschema.validate(waiting, schemas.load("plugin-status"))
+    assert code == ExitCode.UNHEALTHY and not waiting["ready"] and waiting["error"] is None
+    assert waiting["status_file"] is None
+    assert waiting["looked"] == [{"path": "/run/gpunode/plugin-status.json", "source": "default"}]
+    status = tmp_path / "run/gpunode/plugin-status.json"
+    status.parent.mkdir(parents=True)
+    resource = {"name": "nvidia.com/gpu", "socket": "gpunode-nvidia.com-gpu.sock", "devices": 4, "healthy": 4,
+                "registered": True, "refused": None}  # fmt: skip
+    status.write_text(json.dumps({"pid": os.getpid(), "ready": True, "waiting_for": None, "nvml_error": None,
+                                  "summary": "nvidia.com/gpu: 4/4 healthy, registered",
+                                  "resources": [resource], "unmonitored": []}))  # fmt: skip
+    code, ready = run_json("plugin-status", ["plugin", "status", "--json"], host, capsys)
+    assert (
+        code == 0 and ready["ready"] and ready["pid_running"] and ready["plugin"]["resources"] == [resource]
+    )
+    assert ready["status_file"] == {"path": "/run/gpunode/plugin-status.json", "source": "default"}
+
+    code, plan = run_json("plugin-uninstall", ["plugin", "uninstall", "--dry-run", "--json"], host, capsys)
+    assert (
+        code == 0
+        and not plan["changed"]
+        and "/etc/systemd/system/gpunode-device-plugin.service" in plan["remove"]
+    )
+    code, removed = run_json("plugin-uninstall", ["plugin", "uninstall", "--json"], host, capsys)
+    assert code == 0 and removed["changed"]
+    assert not (tmp_path / "etc/systemd/system/gpunode-device-plugin.service").exists()
+    code, again = run_json("plugin-uninstall", ["plugin", "uninstall", "--json"], host, capsys)
+    assert code == 0 and not again["changed"] and again["commands"] == [] and again["remove"] == []
+
+    not_root = Host(root=tmp_path, runner=systemctl, env={}, euid=1000)
+    code, refused = run_json("plugin-install", ["plugin", "install", "--json"], not_root, capsys)
+    assert code == ExitCode.PERMISSION and not refused["changed"] and "root" in refused["error"]["message"]
+
+
+def test_plugin_commands_have_json() -> None:
+    import click
+
+    from gpunode.cli.plugin import app
+
+    for name in ("install", "uninstall", "status", "run"):
+        command = app.get_command(click.Context(app), name)
+        assert command is not None and any("--json" in p.opts for p in command.params), name

@@ -31,22 +31,32 @@ def test_help_lists_every_option_with_its_variable(
         assert option.env in out, option.env
 
 
-def test_show_config_prints_values_and_origins(
+def test_show_config_prints_toml_with_each_origin(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from gpunode.plugin.config import load_config
+    from tests import tomlread as tomllib
+
     config = tmp_path / "etc/gpunode/plugin.toml"
     config.parent.mkdir(parents=True)
     config.write_text('mig-strategy = "mixed"\n[time-slicing]\nreplicas = 2\n')
     monkeypatch.setenv("GPUNODE_REPLICAS", "3")
     code, out, _ = run(tmp_path, capsys, "--show-config", "--device-id-strategy", "index")
     assert code == 0
-    lines = {line.split()[0]: line for line in out.splitlines()}
-    assert "mixed" in lines["mig-strategy"] and "[file /etc/gpunode/plugin.toml]" in lines["mig-strategy"]
-    assert (
-        " 3 " in lines["time-slicing.replicas"] and "[env GPUNODE_REPLICAS]" in lines["time-slicing.replicas"]
+    lines = {line.split(" = ")[0]: line for line in out.splitlines() if " = " in line}
+    assert lines["mig-strategy"] == 'mig-strategy = "mixed"  # from: file /etc/gpunode/plugin.toml'
+    assert lines["replicas"] == "replicas = 3  # from: env GPUNODE_REPLICAS"
+    assert lines["device-id-strategy"] == 'device-id-strategy = "index"  # from: flag --device-id-strategy'
+    assert lines["resource-name"] == 'resource-name = "nvidia.com/gpu"  # from: default'
+    # Valid TOML that the plugin reads back, as a config file, to the very same settings.
+    parsed = tomllib.loads(out)
+    assert parsed["mig-strategy"] == "mixed" and parsed["time-slicing"]["replicas"] == 3
+    (tmp_path / "shown.toml").write_text(out)
+    shown = load_config(Host(root=tmp_path, env={}), config_path="/shown.toml", env={})
+    resolved = load_config(
+        Host(root=tmp_path, env={}), env={"GPUNODE_REPLICAS": "3"}, flags={"device_id_strategy": "index"}
     )
-    assert "[flag --device-id-strategy]" in lines["device-id-strategy"]
-    assert "[default]" in lines["resource-name"] and "nvidia.com/gpu" in lines["resource-name"]
+    assert shown == resolved
 
 
 def test_unknown_key_in_config_is_exit_4_without_traceback(

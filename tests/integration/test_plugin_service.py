@@ -275,7 +275,12 @@ def test_install_registers_is_idempotent_restarts_after_kill_and_uninstall_remov
     assert not (node.socket_dir / PLUGIN_SOCKET).exists()
     status = gpunode(box, "status")
     assert status.returncode == ExitCode.UNHEALTHY, explain(status, box)
-    assert "plugin: no status (not running)" in status.stdout.splitlines(), status.stdout
+    lines = status.stdout.splitlines()
+    assert lines[:3] == [
+        f"service: {UNIT} is not installed (or systemd does not answer)",
+        "plugin: no status (not running); looked for its status file at:",
+        "  /run/gpunode/plugin-status.json (default)",
+    ], status.stdout
     nothing = gpunode(box, "uninstall")
     assert nothing.returncode == ExitCode.OK, explain(nothing, box)
     assert f"{UNIT} is not installed; nothing to do" in nothing.stdout.splitlines(), nothing.stdout

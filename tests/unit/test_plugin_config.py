@@ -200,3 +200,39 @@ NAMES = [
 def test_resource_names_are_judged_like_kubelet(name: str) -> None:
     # The fake kubelet implements kubelet's own rule; gpunode must refuse exactly what kubelet refuses.
     assert (resource_name_problem(name) is None) == is_valid_extended_resource_name(name)
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {},
+        {"GPUNODE_RESOURCE_NAME": "example.com/gpu", "GPUNODE_HEALTH_RECOVERY_QUIET_PERIOD": "2.5s"},
+        {"DP_DISABLE_HEALTHCHECKS": "79,48", "DP_ENABLE_HEALTHCHECKS": "13"},
+    ],
+)
+def test_shown_config_is_toml_that_reads_back_to_the_same_settings(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    from gpunode.plugin.config import to_toml
+    from tests import tomlread as tomllib
+
+    host = host_with(tmp_path, FULL, "/etc/odd\n# dir/plugin.toml")
+    resolved = load_config(host, config_path="/etc/odd\n# dir/plugin.toml", env=env)
+    text = to_toml(resolved)
+    tomllib.loads(text)  # valid TOML, the odd path in a comment included
+    # The path's newline is written \x0a: it cannot end the comment and start a key.
+    assert "# from: file /etc/odd\\x0a# dir/plugin.toml" in text
+    (tmp_path / "shown.toml").write_text(text)
+    assert load_config(Host(root=tmp_path, env={}), config_path="/shown.toml", env={}) == resolved
+    for option in OPTIONS:
+        origin = resolved.origins[option.name]
+        assert f"  # from: {origin.replace(chr(10), chr(92) + 'x0a')}" in text, option.key
+
+
+def test_shown_strings_are_escaped_as_toml_needs(tmp_path: Path) -> None:
+    from gpunode.plugin.config import to_toml
+    from tests import tomlread as tomllib
+
+    odd = '/srv/"quoted"\\dir\x7f\U0001f600'
+    resolved = load_config(Host(root=tmp_path, env={}), env={"GPUNODE_DRIVER_ROOT": odd})
+    assert tomllib.loads(to_toml(resolved))["driver-root"] == odd

@@ -1,0 +1,142 @@
+"""Where a running plugin leaves its status file, and finding it again for `gpunode plugin status`.
+
+The plugin writes the file it was told to (`plugin run --status-file PATH`, else $GPUNODE_PLUGIN_STATUS_FILE,
+else /run/gpunode/plugin-status.json). A plugin started by hand or in a container may have been told anything,
+so `plugin status` looks where it is told to, or else where the systemd unit tells the service to write, then
+at the default; it reports the file it read, or every place it looked.
+
+Kept free of grpc and the plugin's other modules: `plugin status` imports this and nothing heavy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpunode import paths
+from gpunode.errors import GpunodeError
+from gpunode.host import Host
+
+DEFAULT = paths.PLUGIN_STATUS_FILE
+ENV = "GPUNODE_PLUGIN_STATUS_FILE"
+FLAG = "--status-file"
+
+
+def plugin_path(flag: str | None, env: Mapping[str, str]) -> tuple[str, str]:
+    """(path, where it came from) of the file a plugin writes: the flag, the environment, the default."""
+    if flag:
+        return flag, f"flag {FLAG}"
+    if env.get(ENV):
+        return env[ENV], f"env {ENV}"
+    return DEFAULT, "default"
+
+
+@dataclass(frozen=True)
+class Place:
+    path: str
+    source: str  # "flag --status-file", "env GPUNODE_PLUGIN_STATUS_FILE", "unit ... Environment=", "default"
+
+
+@dataclass
+class Lookup:
+    """What `plugin status` found: the file read (or None) and every place it looked, in order."""
+
+    looked: list[Place] = field(default_factory=list)
+    found: Place | None = None
+    document: dict[str, Any] | None = None
+    problem: str | None = None  # the file exists but is not a status document
+    pid_running: bool | None = None  # None: no document, or no pid in it
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.document and self.document.get("ready")) and self.pid_running is not False
+
+
+def _unit_environment(host: Host, unit: str, properties: Mapping[str, str]) -> list[Place]:
+    """GPUNODE_PLUGIN_STATUS_FILE as the unit sets it: its EnvironmentFile= files win over Environment=,
+    as systemd applies them (systemd.exec, EnvironmentFile=)."""
+    places: list[Place] = []
+    for word in _split(properties.get("Environment", "")):
+        name, eq, value = word.partition("=")
+        if eq and name == ENV and value:
+            places = [Place(value, f"{unit} Environment=")]
+    for line in properties.get("EnvironmentFiles", "").splitlines():
+        # systemctl show: "/etc/default/gpunode-device-plugin (ignore_errors=yes)", one line per file.
+        env_file = line.rsplit(" (", 1)[0].strip()
+        if not env_file.startswith("/"):
+            continue
+        text = host.read_text_if_exists(env_file) or ""
+        for raw in text.splitlines():
+            name, eq, value = raw.strip().removeprefix("export ").partition("=")
+            if eq and name.strip() == ENV:
+                words = _split(value)
+                if words and words[0]:
+                    places = [Place(words[0], f"{unit} EnvironmentFile={env_file}")]
+    return places
+
+
+def _split(text: str) -> list[str]:
+    try:
+        return shlex.split(text, comments=True)
+    except ValueError:  # an unbalanced quote: systemd would not have loaded it either
+        return []
+
+
+def _pid_running(pid: object) -> bool | None:
+    # The pid is of the plugin's PID namespace: run `plugin status` where the plugin runs (its container).
+    if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    return True
+
+
+def find(
+    host: Host,
+    *,
+    flag: str | None,
+    env: Mapping[str, str],
+    unit: str,
+    unit_properties: Mapping[str, str],
+) -> Lookup:
+    """Read the plugin's status file. An explicit place (the flag, else $GPUNODE_PLUGIN_STATUS_FILE) is the
+    only one looked at; otherwise the unit's setting, then the default."""
+    if flag:
+        places = [Place(flag, f"flag {FLAG}")]
+    elif env.get(ENV):
+        places = [Place(env[ENV], f"env {ENV}")]
+    else:
+        places = _unit_environment(host, unit, unit_properties)
+        if all(p.path != DEFAULT for p in places):
+            places.append(Place(DEFAULT, "default"))
+    lookup = Lookup()
+    for place in places:
+        lookup.looked.append(place)
+        try:
+            text = host.read_text_if_exists(place.path)
+        except GpunodeError as err:  # unreadable (permission): say so, do not look further
+            lookup.found, lookup.problem = place, err.message
+            return lookup
+        if text is None:
+            continue
+        lookup.found = place
+        try:
+            loaded = json.loads(text)
+        except ValueError as err:
+            lookup.problem = f"{place.path} is not JSON ({err})"
+            return lookup
+        if not isinstance(loaded, dict):
+            lookup.problem = f"{place.path} is not a plugin status document"
+            return lookup
+        lookup.document = loaded
+        lookup.pid_running = _pid_running(loaded.get("pid"))
+        return lookup
+    return lookup

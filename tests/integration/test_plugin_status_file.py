@@ -1,0 +1,81 @@
+"""A plugin started by hand with `--status-file PATH` (as in a container) and `gpunode plugin status
+--status-file PATH` reading it: a real plugin process against the fake kubelet, without systemd."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpunode.errors import ExitCode
+from tests.integration.kubelet import FakeKubelet
+from tests.integration.pluginproc import REPO, PluginProcess, short_tempdir
+
+GPU = "nvidia.com/gpu"
+
+
+@pytest.fixture
+def socket_dir() -> Iterator[Path]:
+    with short_tempdir() as base:
+        yield base / "device-plugins"
+
+
+def plugin_status(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}  # no GPUNODE_PLUGIN_STATUS_FILE of ours
+    return subprocess.run(
+        [sys.executable, "-m", "gpunode", "plugin", "status", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=120,
+        check=False,
+    )
+
+
+def wait_for_file(path: Path, timeout: float = 60.0) -> dict[str, object]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            document = json.loads(path.read_text())
+        except (FileNotFoundError, ValueError):  # not yet, or caught between write and rename
+            time.sleep(0.05)
+            continue
+        if isinstance(document, dict) and document.get("ready"):
+            return document
+        time.sleep(0.05)
+    raise AssertionError(f"{path} did not say ready within {timeout} s")
+
+
+def test_status_of_a_plugin_told_where_to_write(socket_dir: Path) -> None:
+    status_file = socket_dir.parent / "state" / "plugin.json"
+    elsewhere = socket_dir.parent / "env-status.json"
+    with FakeKubelet(socket_dir) as kubelet:
+        # The flag wins over the variable (which PluginProcess sets for every plugin).
+        plugin = PluginProcess(
+            socket_dir,
+            ["--simulate", "pcie-4", "--status-file", str(status_file)],
+            profile=None,
+            env={"GPUNODE_PLUGIN_STATUS_FILE": str(elsewhere)},
+        )
+        with plugin:
+            kubelet.wait_registered(GPU, timeout=60)
+            document = wait_for_file(status_file)
+            assert document["pid"] == plugin.pid and not elsewhere.exists()
+            shown = plugin_status("--status-file", str(status_file))
+            assert shown.returncode == ExitCode.OK, shown.stdout + shown.stderr
+            lines = shown.stdout.splitlines()
+            assert f"status file: {status_file} (flag --status-file)" in lines
+            assert any(line.startswith(f"plugin: pid {plugin.pid}, ") for line in lines), shown.stdout
+            assert "  nvidia.com/gpu: 4/4 healthy, registered (gpunode-nvidia.com-gpu.sock)" in lines
+            as_json = json.loads(plugin_status("--status-file", str(status_file), "--json").stdout)
+            assert as_json["ready"] and as_json["pid_running"] and as_json["plugin"]["pid"] == plugin.pid
+    # Stopped: the plugin removed its file; status says where it looked and exits 1.
+    gone = plugin_status("--status-file", str(status_file))
+    assert gone.returncode == ExitCode.UNHEALTHY
+    assert f"  {status_file} (flag --status-file)" in gone.stdout.splitlines()
