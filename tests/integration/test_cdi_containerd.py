@@ -248,6 +248,8 @@ def test_containerd_17_applies_gpunodes_spec_to_the_plugins_cdi_names(
     gpunode(
         "--root", str(tmp_path / "node"), "configure-runtime", "containerd", "--config", CONFIG,
         "--runtime-path", str(wrapper), "--set-as-default", "--no-restart", "--cdi",
+        # gpunode asks `containerd --version` by name: the 1.7 that reads the file comes first on PATH.
+        env={"PATH": testbed.path_with("containerd-1.7")},
     )  # fmt: skip
     ctd = containerd_17(node_config(tmp_path / "node"))
     effective = client.cri_status(api, ctd.socket)

@@ -168,7 +168,10 @@ def gpunode_configure(node: Path, wrapper: Path, *extra: str) -> Path:
         "--no-restart",
         *extra,
     ]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+    # gpunode asks `containerd --version` by name (the host's programs, even with --root): the test bed's 1.6,
+    # the daemon that reads the file, comes first on PATH.
+    env = {**os.environ, "PATH": testbed.path_with("containerd-1.6")}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False, env=env)
     assert result.returncode == 0, (
         f"gpunode exited {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
     )
