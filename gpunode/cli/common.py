@@ -13,6 +13,12 @@ if TYPE_CHECKING:
     from gpunode.host import Host
 
 
+def complete_runtime(ctx: click.Context, param: click.Parameter, incomplete: str) -> list[str]:
+    """Shell completion of a container runtime's name (the value stays a plain string: the command
+    names the runtimes it knows when it refuses one)."""
+    return [name for name in ("docker", "containerd", "crio") if name.startswith(incomplete)]
+
+
 class HelpFormatter(click.HelpFormatter):
     """click's help, but on a narrow terminal each option's text goes under its name, across the width,
     instead of in a column a few characters wide beside names that take 30."""

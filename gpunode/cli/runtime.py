@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from gpunode.cli.common import Command, exit_codes
+from gpunode.cli.common import Command, complete_runtime, exit_codes
 from gpunode.errors import UsageError
 from gpunode.runtimes.plan import DEFAULT_RUNTIME_PATH
 
@@ -32,10 +32,7 @@ if TYPE_CHECKING:
     "runtime",
     required=False,
     metavar="[RUNTIME]",
-    # A plain string: choose_runtime names the runtimes it knows when it refuses one.
-    shell_complete=lambda ctx, param, incomplete: [
-        r for r in ("docker", "containerd", "crio") if r.startswith(incomplete)
-    ],
+    shell_complete=complete_runtime,
 )
 @click.option(
     "--config",

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from gpunode.cli.common import Command, exit_codes
+from gpunode.cli.common import Command, complete_runtime, exit_codes
 from gpunode.cli.node import kube_options
 
 if TYPE_CHECKING:
@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 @click.option(
     "--runtime",
     metavar="RUNTIME",
+    shell_complete=complete_runtime,
     help="Container runtime to configure: docker, containerd or crio (default: the one kubelet uses).",
 )
 @click.option("--plugin-config", metavar="FILE", help="Device plugin TOML config to install.")

@@ -352,6 +352,7 @@ def test_bash_completes_commands_options_and_arguments() -> None:
     assert completions(["gpunode", "conf"]) == ["configure-runtime"]
     assert completions(["gpunode", "plugin", ""]) == ["run", "install", "uninstall", "status"]
     assert completions(["gpunode", "configure-runtime", "c"]) == ["containerd", "crio"]
+    assert completions(["gpunode", "up", "--runtime", "d"]) == ["docker"]
     assert "--dry-run" in completions(["gpunode", "configure-runtime", "--d"])
     assert completions(["gpunode", "completion", ""]) == ["bash", "zsh", "fish"]
     assert completions(["gpunode", "--no-c"]) == ["--no-color"]
