@@ -205,7 +205,13 @@ OPTIONS: tuple[Option, ...] = (
 )  # fmt: skip
 
 _BY_KEY = {o.key: o for o in OPTIONS}
+
 _BY_NAME = {o.name: o for o in OPTIONS}
+
+
+def is_switch(option: Option) -> bool:
+    """A true/false option: `--x` / `--no-x` on the command line."""
+    return option.parse is _bool
 
 
 def resource_name_problem(name: str) -> str | None:
@@ -419,6 +425,7 @@ __all__ = [
     "PLACEMENTS",
     "PluginConfig",
     "describe",
+    "is_switch",
     "load_config",
     "read_config_file",
     "resource_name_problem",

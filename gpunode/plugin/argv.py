@@ -1,0 +1,123 @@
+"""`gpunode plugin run` without click: the service's own command line, parsed from the plugin's option table.
+
+The plugin is a long-lived process whose start-up is on the path to a node's GPUs being schedulable, and
+click with gpunode's command tree costs it ~20 ms and ~1 MB that it never uses again. This parser takes
+only what it fully understands - `plugin run` followed by the options of `plugin run --help`, each at most
+once as given or with `=` - and answers None for anything else (--help, --show-config, --json, an unknown or
+abbreviated option, a missing value, a --replicas that is not a plain number, a global option such as
+--root before `plugin`): the click CLI then handles that command line exactly as before, with its errors.
+tests/cli/test_plugin_argv.py checks that both parse every option to the same settings.
+
+Imports nothing heavy itself: the plugin's modules are imported when it runs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+# `plugin run`'s own options that are not settings of the option table (PluginConfig).
+_OWN = {"--config": "config", "--simulate": "simulate", "--status-file": "status_file"}
+
+
+@dataclass
+class RunArgs:
+    config: str | None = None
+    simulate: str | None = None
+    status_file: str | None = None
+    flags: dict[str, Any] = field(default_factory=dict)  # option name -> value, as the click command passes
+
+
+def parse(args: Sequence[str]) -> RunArgs | None:
+    """The arguments after `plugin run`, or None when the click CLI must handle them."""
+    from gpunode.plugin.config import OPTIONS, is_switch
+
+    values: dict[str, str] = {}  # --flag -> option name, for options that take a value
+    switches: dict[str, tuple[str, bool]] = {}  # --flag / --no-flag -> (option name, value)
+    for option in OPTIONS:
+        if is_switch(option):
+            name = option.flag.removeprefix("--")
+            switches[f"--{name}"] = (option.name, True)
+            switches[f"--no-{name}"] = (option.name, False)
+        else:
+            values[option.flag] = option.name
+    parsed = RunArgs()
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        i += 1
+        if arg in switches:
+            name, on = switches[arg]
+            parsed.flags[name] = on
+            continue
+        flag, eq, value = arg.partition("=")
+        if flag not in values and flag not in _OWN:
+            return None  # --help, --show-config, an unknown option, a positional argument: click's
+        if not eq:
+            if i >= len(args) or args[i].startswith("-"):
+                return None  # no value (or one click might read otherwise): click says what is wrong
+            value = args[i]
+            i += 1
+        if flag in _OWN:
+            setattr(parsed, _OWN[flag], value)
+        elif values[flag] == "replicas":
+            if not (value.isascii() and value.isdigit()):
+                return None  # click's INT type decides what else is a number, and words the error
+            parsed.flags["replicas"] = int(value)
+        else:
+            parsed.flags[values[flag]] = value
+    return parsed
+
+
+def run(args: Sequence[str]) -> None:
+    """Run the plugin for `gpunode plugin run ARGS` and exit, or return if the click CLI must take them."""
+    parsed = parse(args)
+    if parsed is None:
+        return
+    from gpunode.errors import ExitCode, GpunodeError
+
+    debug = os.environ.get("GPUNODE_DEBUG") == "1"
+    try:
+        from gpunode.host import Host
+        from gpunode.plugin.runner import run_plugin
+
+        run_plugin(
+            Host(),
+            config_path=parsed.config,
+            flags=parsed.flags,
+            simulate=parsed.simulate,
+            debug=debug,
+            status_file=parsed.status_file,
+        )
+    except GpunodeError as err:
+        # The CLI's error format (gpunode/cli/main.py): what is wrong, then the fix; the same exit code.
+        if debug:
+            import traceback
+
+            traceback.print_exc()
+        sys.stderr.write(f"gpunode: error: {err.message}\n")
+        if err.fix:
+            sys.stderr.write(f"  fix: {err.fix}\n")
+        sys.exit(int(err.exit_code))
+    except OSError as err:  # the OS refused what gpunode did not expect to fail: as the CLI says it
+        what = f"{err.filename}: " if err.filename else ""
+        sys.stderr.write(f"gpunode: error: {what}{err.strerror or err}\n")
+        sys.stderr.write("  fix: check the file named, then run the command again\n")
+        sys.exit(int(ExitCode.ERROR))
+    except KeyboardInterrupt:
+        sys.stderr.write("gpunode: interrupted\n")
+        sys.exit(int(ExitCode.INTERRUPTED))
+    except Exception as err:  # a bug: as the CLI says it
+        if debug:
+            import traceback
+
+            traceback.print_exc()
+        sys.stderr.write(
+            f"gpunode: internal error: {type(err).__name__}: {err}\n"
+            "  This is a bug in gpunode. Re-run with --debug for the traceback and report it.\n"
+        )
+        sys.exit(int(ExitCode.INTERNAL))
+    sys.exit(int(ExitCode.OK))
