@@ -146,11 +146,12 @@ def cli(ctx: click.Context, debug: bool, root: Path, no_color: bool) -> None:
 
 
 def _help_width() -> int:
-    """Help for a terminal fits it; help piped to a file or grep is not wrapped at all."""
+    """Help for a terminal fits it (at most 110 columns: longer lines are hard to read); help piped to a
+    file or grep is not wrapped at all, so a grep finds an option's whole description."""
     if sys.stdout.isatty():
         import shutil
 
-        return shutil.get_terminal_size().columns
+        return min(shutil.get_terminal_size().columns, 110)
     return 100_000
 
 
