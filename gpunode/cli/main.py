@@ -1,7 +1,7 @@
 """The root `gpunode` command, its global options, and the one place exceptions become exit codes.
 
 Plain click, with explicit parameter types: typer's runtime coercion built a pydantic adapter for every
-option (pydantic imported on every command, ~55 ms and ~10 MB). Each command's module is imported only
+option (pydantic imported on every command, 45-50 ms and ~10 MB). Each command's module is imported only
 when that command runs (or shows its help): `gpunode --help` lists them from the table below.
 """
 
