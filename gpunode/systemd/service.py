@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -54,10 +55,12 @@ class FileWrite:
     content: str
     mode: int
     before: str | None  # None: the file does not exist
+    # The file is there with the right content but another mode or owner (a unit left 0666): rewritten.
+    wrong_mode: bool = False
 
     @property
     def changed(self) -> bool:
-        return self.before != self.content
+        return self.before != self.content or self.wrong_mode
 
 
 @dataclass(frozen=True)
@@ -194,12 +197,24 @@ def service_state(
     return ServiceState(props, lookup.document, lookup)
 
 
+def _planned_file(host: Host, path: str, content: str, mode: int = 0o644) -> FileWrite:
+    """A file gpunode owns: its mode and owner are gpunode's (root, `mode`) whatever was there before."""
+    before = host.read_text_if_exists(path)
+    wrong = False
+    if before is not None:
+        try:
+            st = host.path(path).stat()
+        except OSError:
+            st = None
+        wrong = st is not None and (stat.S_IMODE(st.st_mode) != mode or st.st_uid != host.euid)
+    return FileWrite(path, content, mode, before, wrong_mode=wrong)
+
+
 def plan_install(host: Host, *, config_file: str | None, start: bool, executable: str) -> ServicePlan:
     """What install would write and run. A config file is validated first (before systemd is touched)."""
-    files = [FileWrite(UNIT_PATH, render_unit(executable), 0o644, host.read_text_if_exists(UNIT_PATH))]
+    files = [_planned_file(host, UNIT_PATH, render_unit(executable))]
     if config_file is not None:
-        files.append(FileWrite(CONFIG_PATH, _validated_config(host, config_file), 0o644,
-                               host.read_text_if_exists(CONFIG_PATH)))  # fmt: skip
+        files.append(_planned_file(host, CONFIG_PATH, _validated_config(host, config_file)))
     state = service_state(host)
     commands: list[tuple[str, ...]] = []
     unit_changed = files[0].changed
@@ -255,7 +270,9 @@ def apply_install(
     for f in plan.files:
         if f.changed:
             backup = f"{BACKUP_DIR}{f.path}" if f.before is not None and f.path not in record else None
-            host.write_file(f.path, f.content, mode=f.mode, backup_to=backup, make_parents=True)
+            host.write_file(
+                f.path, f.content, mode=f.mode, backup_to=backup, make_parents=True, exact_mode=True
+            )
         record[f.path] = _digest(f.content)
     host.make_dirs(os.path.dirname(RECORD_PATH))
     host.write_file(RECORD_PATH, json.dumps(record, indent=2, sort_keys=True) + "\n", mode=0o644)

@@ -297,3 +297,19 @@ def test_hardening_that_would_hide_the_program_is_turned_off(
         assert (f"\n{option}\n" in text) == (option not in off), option
     plan = service.plan_install(node(tmp_path), config_file=None, start=True, executable=executable)
     assert [n.split(" ")[0] for n in plan.notes] == off
+
+
+def test_a_unit_left_with_another_mode_is_rewritten_with_gpunodes(tmp_path: Path) -> None:
+    """The unit is gpunode's file: a 0666 unit with the right content is planned again and written 0644."""
+    import stat as stat_mod
+
+    host = Host(root=tmp_path, euid=os.geteuid())
+    unit = tmp_path / service.UNIT_PATH.lstrip("/")
+    unit.parent.mkdir(parents=True)
+    unit.write_text(service.render_unit("/opt/gpunode/bin/gpunode"))
+    unit.chmod(0o666)
+    planned = service._planned_file(host, service.UNIT_PATH, unit.read_text())
+    assert planned.changed and planned.wrong_mode
+    host.write_file(service.UNIT_PATH, planned.content, mode=planned.mode, exact_mode=True)
+    assert stat_mod.S_IMODE(unit.stat().st_mode) == 0o644
+    assert not service._planned_file(host, service.UNIT_PATH, unit.read_text()).changed
