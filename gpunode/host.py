@@ -596,6 +596,11 @@ class Host:
                 self.path(host_path).mkdir(parents=True, exist_ok=True, mode=mode)
         except FileExistsError as exc:
             raise ConfigError(f"{host_path} exists and is not a directory") from exc
+        except NotADirectoryError as exc:
+            raise ConfigError(
+                f"cannot create directory {host_path}: a part of that path is a file, not a directory",
+                "move that file away (or point gpunode at another directory), then run the command again",
+            ) from exc
 
     @contextlib.contextmanager
     def lock(self, host_path: str) -> Iterator[None]:

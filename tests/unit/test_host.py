@@ -313,3 +313,12 @@ def test_a_path_entry_the_user_cannot_read_is_skipped(tmp_path: Path) -> None:
     assert result.stdout.splitlines()[0] == "/usr/bin/sh", result.stderr
     assert result.returncode in (0, 1), result.stderr
     assert "internal error" not in result.stdout + result.stderr
+
+
+def test_a_file_where_a_directory_is_needed_is_a_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "var").write_text("not a directory\n")
+    host = Host(root=tmp_path)
+    with pytest.raises(ConfigError, match="a part of that path is a file"):
+        host.make_dirs("/var/lib/gpunode")
+    with pytest.raises(ConfigError):
+        host.write_file("/var/lib/gpunode/x.json", "{}\n", make_parents=True)
