@@ -7,6 +7,7 @@ and every ListAndWatch stream of an affected resource wakes up (a condition vari
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -75,9 +76,48 @@ def socket_name(resource: str) -> str:
 
 
 @dataclass(frozen=True)
+class SharedResource:
+    """Time-slicing for one resource (NVIDIA's `sharing.timeSlicing.resources[]`): which of its devices are
+    shared, how many replicas each gets, and the name the shared devices are advertised under."""
+
+    name: str  # the resource whose devices are shared, e.g. nvidia.com/gpu or nvidia.com/mig-1g.5gb
+    replicas: int
+    rename: str = ""  # "" : the name itself, or <name>.shared with rename-by-default
+    # "all", a count (the first N devices of the resource), or GPU indexes "3", MIG indexes "0:1" and
+    # GPU or MIG UUIDs
+    devices: str | int | tuple[str, ...] = "all"
+
+    def as_dict(self) -> dict[str, object]:
+        out: dict[str, object] = {"name": self.name, "replicas": self.replicas}
+        if self.rename:
+            out["rename"] = self.rename
+        if self.devices != "all":
+            out["devices"] = list(self.devices) if isinstance(self.devices, tuple) else self.devices
+        return out
+
+
+@dataclass(frozen=True)
+class NamedResource:
+    """A resource name for the GPUs (or MIG profiles) whose name matches a pattern (NVIDIA's
+    `resources.gpus[]` / `resources.mig[]`): `*` matches anything, and the pattern may match anywhere in
+    the name, as NVIDIA's plugin matches it (its wildcard is turned into an unanchored regular expression)."""
+
+    pattern: str
+    name: str
+
+    def matches(self, text: str) -> bool:
+        regex = ".*".join(re.escape(part) for part in self.pattern.split("*"))
+        return re.search(regex, text) is not None
+
+    def as_dict(self) -> dict[str, object]:
+        return {"pattern": self.pattern, "name": self.name}
+
+
+@dataclass(frozen=True)
 class Sharing:
-    replicas: int = 1
+    replicas: int = 1  # every resource, every device (gpunode's time-slicing.replicas)
     rename_by_default: bool = False
+    resources: tuple[SharedResource, ...] = ()  # per resource; these win over `replicas` for their names
 
 
 def build_resources(
@@ -87,11 +127,15 @@ def build_resources(
     mig_strategy: str = "none",
     device_id_strategy: str = "uuid",
     sharing: Sharing = Sharing(),
+    gpu_names: tuple[NamedResource, ...] = (),
+    mig_names: tuple[NamedResource, ...] = (),
 ) -> tuple[Resource, ...]:
     """Group the node's usable GPUs and MIG instances into resources, the way the strategies say.
 
-    Raises ConfigError when the node does not fit the MIG strategy (e.g. `single` with two profiles),
-    naming what was found, so the operator can pick `mixed` or re-partition.
+    `gpu_names` gives whole GPUs a resource per model (the first pattern that matches the GPU's name wins;
+    a GPU none matches is not served, as in NVIDIA's plugin), `mig_names` does so for MIG profiles under the
+    mixed strategy. Raises ConfigError when the node does not fit the MIG strategy (e.g. `single` with two
+    profiles), naming what was found, so the operator can pick `mixed` or re-partition.
     """
     if mig_strategy not in MIG_STRATEGIES:
         raise ConfigError(
@@ -104,9 +148,29 @@ def build_resources(
         )
     gpus = [g for g in inventory.gpus if g.uuid]
     groups: dict[str, list[tuple[Gpu, MigDevice | None]]] = {}
+    domain = resource_name.split("/", 1)[0]
+
+    def whole(gpu: Gpu) -> None:
+        if not gpu_names:
+            groups.setdefault(resource_name, []).append((gpu, None))
+            return
+        for named in gpu_names:
+            if named.matches(gpu.name or ""):
+                groups.setdefault(_qualified(domain, named.name), []).append((gpu, None))
+                return
+
     if mig_strategy == "none":
-        groups[resource_name] = [(g, None) for g in gpus]
+        groups[resource_name] = []
+        for gpu in gpus:
+            whole(gpu)
+        if gpu_names and not groups[resource_name]:
+            del groups[resource_name]
     elif mig_strategy == "single":
+        if gpu_names:
+            raise ConfigError(
+                "resources.gpus (a resource per GPU model) does not go with mig-strategy single",
+                "use mig-strategy mixed or none, or drop resources.gpus",
+            )
         groups[resource_name] = _single(gpus)
     else:
         for gpu in gpus:
@@ -119,47 +183,97 @@ def build_resources(
                             "resource",
                             "check `nvidia-smi -L`; use mig-strategy `single` or `none`",
                         )
-                    groups.setdefault(_mig_resource(resource_name, instance.profile), []).append(
-                        (gpu, instance)
-                    )
+                    name = _mig_name(domain, instance.profile, mig_names)
+                    if name is not None:
+                        groups.setdefault(name, []).append((gpu, instance))
             else:
-                groups.setdefault(resource_name, []).append((gpu, None))
-        groups.setdefault(resource_name, [])
+                whole(gpu)
+        if not gpu_names:
+            groups.setdefault(resource_name, [])
 
-    resources: list[Resource] = []
+    by_name: dict[str, list[PluginDevice]] = {}
+    replicas_of: dict[str, int] = {}
     for name, members in groups.items():
-        shared_name = name + ".shared" if sharing.replicas > 1 and sharing.rename_by_default else name
-        devices: list[PluginDevice] = []
-        for gpu, mig in members:
-            base = _device(gpu, mig, device_id_strategy)
-            if sharing.replicas > 1:
-                devices.extend(
-                    PluginDevice(
-                        id=f"{base.id}::{n}",
-                        visible_id=base.visible_id,
-                        uuid=base.uuid,
-                        gpu_index=base.gpu_index,
-                        gpu_uuid=base.gpu_uuid,
-                        minor=base.minor,
-                        numa_node=base.numa_node,
-                        mig=base.mig,
-                        replica=n,
-                    )
-                    for n in range(sharing.replicas)
-                )
-            else:
-                devices.append(base)
-        resources.append(Resource(shared_name, socket_name(shared_name), tuple(devices), sharing.replicas))
-    return tuple(resources)
+        base = [_device(gpu, mig, device_id_strategy) for gpu, mig in members]
+        share = _sharing_for(name, sharing)
+        if share is None or share.replicas <= 1:
+            by_name.setdefault(name, []).extend(base)
+            replicas_of.setdefault(name, 1)
+            continue
+        chosen = _selected(base, share.devices)
+        shared_name = _qualified(domain, share.rename) if share.rename else name
+        if not share.rename and sharing.rename_by_default:
+            shared_name = name + ".shared"
+        # Devices the entry does not select stay under the resource's own name, unshared (NVIDIA's rule).
+        rest = [d for d in base if d not in chosen]
+        if rest or shared_name == name:
+            by_name.setdefault(name, []).extend(rest)
+            replicas_of.setdefault(name, 1)
+        by_name.setdefault(shared_name, []).extend(r for d in chosen for r in _replicate(d, share.replicas))
+        replicas_of[shared_name] = share.replicas
+    return tuple(
+        Resource(name, socket_name(name), tuple(devices), replicas_of[name])
+        for name, devices in by_name.items()
+    )
+
+
+def _replicate(base: PluginDevice, replicas: int) -> list[PluginDevice]:
+    return [
+        PluginDevice(
+            id=f"{base.id}::{n}",
+            visible_id=base.visible_id,
+            uuid=base.uuid,
+            gpu_index=base.gpu_index,
+            gpu_uuid=base.gpu_uuid,
+            minor=base.minor,
+            numa_node=base.numa_node,
+            mig=base.mig,
+            replica=n,
+        )
+        for n in range(replicas)
+    ]
+
+
+def _qualified(domain: str, name: str) -> str:
+    # NVIDIA's rule (api/config/v1 NewResourceName): a name without a domain gets the plugin's domain.
+    return name if "/" in name else f"{domain}/{name}"
+
+
+def _mig_name(domain: str, profile: str, mig_names: tuple[NamedResource, ...]) -> str | None:
+    if not mig_names:
+        return f"{domain}/mig-{profile}"
+    for named in mig_names:
+        if named.matches(profile):
+            return _qualified(domain, named.name)
+    return None
+
+
+def _sharing_for(name: str, sharing: Sharing) -> SharedResource | None:
+    for share in sharing.resources:
+        if share.name == name:
+            return share
+    if sharing.replicas > 1:
+        return SharedResource(name, sharing.replicas)
+    return None
+
+
+def _selected(devices: list[PluginDevice], which: str | int | tuple[str, ...]) -> list[PluginDevice]:
+    """The devices a sharing entry names: all, the first N, or those whose index or UUID is listed."""
+    if which == "all":
+        return list(devices)
+    if isinstance(which, int):
+        return list(devices[:which])
+    wanted = set(which)
+    out = []
+    for device in devices:
+        index = f"{device.gpu_index}:{device.mig.index}" if device.mig is not None else str(device.gpu_index)
+        if index in wanted or device.uuid in wanted:
+            out.append(device)
+    return out
 
 
 def _mig_on(gpu: Gpu) -> bool:
     return gpu.mig_mode is not None and gpu.mig_mode.current
-
-
-def _mig_resource(resource_name: str, profile: str) -> str:
-    domain = resource_name.split("/", 1)[0]
-    return f"{domain}/mig-{profile}"
 
 
 def _single(gpus: list[Gpu]) -> list[tuple[Gpu, MigDevice | None]]:
