@@ -43,6 +43,8 @@ class UpOptions:
     server: str | None = None
     # kubectl's --request-timeout in seconds: None not given (the client's defaults), 0 no timeout.
     request_timeout: float | None = None
+    # CDI: CDI on in the runtime, gpunode's CDI spec written and kept true (gpunode.cdi.install).
+    cdi: bool = False
     # Where the package manager's output goes while the toolkit installs (the CLI shows it).
     on_output: Callable[[str], None] | None = field(default=None, compare=False)
 
@@ -65,7 +67,7 @@ def plan_up(host: Host, opts: UpOptions, discover: Callable[[Host], Inventory]) 
     """Every step's plan. A step that cannot even be planned (no key, no runtime) is shown with its error,
     so that the whole plan is still printed; `up` then stops before changing anything."""
     steps = [planned("preflight", lambda: _preflight(host, discover))]
-    for name in ("toolkit", "runtime", "plugin", "labels"):
+    for name in ("toolkit", "runtime", *(("cdi",) if opts.cdi else ()), "plugin", "labels"):
         steps.append(planned(name, lambda name=name: replan(host, opts, discover, name)))  # type: ignore[misc]
     return steps
 
@@ -89,6 +91,7 @@ def replan(host: Host, opts: UpOptions, discover: Callable[[Host], Inventory], n
     return {
         "toolkit": lambda: _toolkit(host, opts),
         "runtime": lambda: _runtime(host, opts),
+        "cdi": lambda: _cdi(host, discover),
         "plugin": lambda: _plugin(host, opts),
         "labels": lambda: _labels(host, opts, discover),
     }[name]()
@@ -176,7 +179,7 @@ def _runtime(host: Host, opts: UpOptions) -> Step:
     from gpunode.runtimes.plan import ConfigureOptions
 
     runtime, _why = configure.choose_runtime(host, opts.runtime)
-    configure_opts = ConfigureOptions(set_as_default=True)
+    configure_opts = ConfigureOptions(set_as_default=True, cdi=opts.cdi)
     plan = configure.plan_configure(host, runtime, configure_opts)
     return runtime_step(host, plan, lambda: configure.plan_configure(host, runtime, configure_opts))
 
@@ -217,6 +220,40 @@ def runtime_step(host: Host, plan: RuntimePlan, replan: Callable[[], RuntimePlan
         details=details,
         apply=apply,
         warnings=warnings,
+    )
+
+
+def _cdi(host: Host, discover: Callable[[Host], Inventory]) -> Step:
+    """gpunode's CDI spec written, and the units that keep it true installed (`gpunode cdi install`)."""
+    from gpunode.cdi.generate import GenerateOptions, generate, write_spec
+    from gpunode.cdi.install import apply_install, plan_install
+    from gpunode.systemd.service import gpunode_executable
+
+    options = GenerateOptions()
+    generated = generate(host, discover(host), options)
+    spec_needed = host.read_bytes(generated.path) != generated.text.encode()
+    install = plan_install(host, options, gpunode_executable(), restrict_envvar=True)
+    if not spec_needed and not install.changed:
+        return Step("cdi", f"the CDI spec {generated.path} is current, and kept so", needed=False)
+    details = ([f"write {generated.path} ({len(generated.device_names)} devices)"] if spec_needed else []) + [
+        f"write {f.path}" for f in install.files if f.changed
+    ]
+    details += [f"run: {' '.join(c)}" for c in install.commands] + [f"note: {n}" for n in install.notes]
+
+    def apply() -> str:
+        fresh = generate(host, discover(host), options)
+        write_spec(host, fresh)
+        apply_install(host, plan_install(host, options, gpunode_executable(), restrict_envvar=True))
+        return (
+            f"{fresh.path}: {len(fresh.device_names)} CDI devices, regenerated at boot and on driver changes"
+        )
+
+    return Step(
+        "cdi",
+        f"write the CDI spec {generated.path} and install gpunode-cdi.service / .path to keep it true",
+        needed=True,
+        details=details,
+        apply=apply,
     )
 
 

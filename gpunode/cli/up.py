@@ -34,6 +34,11 @@ if TYPE_CHECKING:
 @click.option("--plugin-config", metavar="FILE", help="Device plugin TOML config to install.")
 @click.option("--labels/--no-labels", default=True, help="Set the GPU labels (needs API credentials).")
 @click.option("--node", metavar="NAME", help="Node name for the labels.")
+@click.option(
+    "--cdi",
+    is_flag=True,
+    help="Also turn CDI on in the runtime and write gpunode's CDI spec, kept true (`gpunode cdi install`).",
+)
 @click.option("--dry-run", is_flag=True, help="Print the plan; change nothing.")
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation (unattended use).")
 @click.option(
@@ -54,6 +59,7 @@ def up(
     plugin_config: str | None,
     labels: bool,
     node: str | None,
+    cdi: bool,
     dry_run: bool,
     yes: bool,
     as_json: bool,
@@ -90,6 +96,7 @@ def up(
         context=context,
         server=server,
         request_timeout=request_timeout,
+        cdi=cdi,
         on_output=lambda line: click.echo(f"    | {line}"),
     )
     if as_json:
