@@ -64,7 +64,7 @@ def mark_from_another_thread(registry: DeviceRegistry, unit: Unit, reason: str |
 
 
 @pytest.fixture
-def served() -> Iterator[tuple[HookedRegistry, Any]]:
+def served() -> Iterator[tuple[HookedRegistry, Callable[[], Any]]]:
     [resource] = build_resources(simulated_inventory("pcie-4"))
     registry = HookedRegistry([resource])
     service = DevicePluginService(
@@ -78,9 +78,17 @@ def served() -> Iterator[tuple[HookedRegistry, Any]]:
         server.start()
         try:
             with grpc.insecure_channel(f"unix://{base / 'dp.sock'}") as channel:
-                call = pb_grpc.DevicePluginStub(channel).ListAndWatch(pb.Empty(), timeout=DEADLINE)
-                yield registry, call
-                call.cancel()
+                calls: list[Any] = []
+
+                def open_stream() -> Any:
+                    # Opened by the test once its hooks are in place: the server starts the stream (and may
+                    # reach its first wait) as soon as the call exists.
+                    calls.append(pb_grpc.DevicePluginStub(channel).ListAndWatch(pb.Empty(), timeout=DEADLINE))
+                    return calls[-1]
+
+                yield registry, open_stream
+                for call in calls:
+                    call.cancel()
         finally:
             registry.close()
             server.stop(grace=0.0)
@@ -91,7 +99,8 @@ def health(message: pb.ListAndWatchResponse) -> list[str]:
 
 
 def test_a_mark_between_the_snapshot_and_the_wait_is_sent(served: tuple[HookedRegistry, Any]) -> None:
-    registry, call = served
+    registry, open_stream = served
+    call = open_stream()
     assert health(next(call)) == ["Healthy"] * 4
     # The stream's next snapshot is taken, then GPU 2 is marked before the stream waits again.
     registry.after_snapshot = mark_from_another_thread(registry, Unit(2), "Xid 79")
@@ -101,14 +110,16 @@ def test_a_mark_between_the_snapshot_and_the_wait_is_sent(served: tuple[HookedRe
 
 
 def test_a_mark_after_a_send_and_before_the_wait_is_sent(served: tuple[HookedRegistry, Any]) -> None:
-    registry, call = served
+    registry, open_stream = served
     registry.before_wait = mark_from_another_thread(registry, Unit(1), "double-bit ECC error")
+    call = open_stream()  # after the hook: the stream's first wait must be the hooked one
     assert health(next(call)) == ["Healthy"] * 4  # sent; the hook marks GPU 1 before the stream waits
     assert health(next(call)) == ["Healthy", "Unhealthy", "Healthy", "Healthy"]
 
 
 def test_marks_while_the_stream_waits_are_each_sent(served: tuple[HookedRegistry, Any]) -> None:
-    registry, call = served
+    registry, open_stream = served
+    call = open_stream()
     assert health(next(call)) == ["Healthy"] * 4
     for gpu in range(4):
         registry.mark(Unit(gpu), "Xid 79")
@@ -118,7 +129,8 @@ def test_marks_while_the_stream_waits_are_each_sent(served: tuple[HookedRegistry
 
 
 def test_a_change_that_ends_where_it_began_is_still_sent_once(served: tuple[HookedRegistry, Any]) -> None:
-    registry, call = served
+    registry, open_stream = served
+    call = open_stream()
     assert health(next(call)) == ["Healthy"] * 4
     # Unhealthy and healthy again before the stream looks: kubelet gets the final state (a list is
     # always whole), and the stream is not left behind on a version it has not sent.
