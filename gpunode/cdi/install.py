@@ -36,6 +36,7 @@ from gpunode.host import Host
 SERVICE = "gpunode-cdi.service"
 PATH_UNIT = "gpunode-cdi.path"
 UNIT_DIR = "/etc/systemd/system"
+ENV_FILE = "/etc/default/gpunode-cdi"
 BACKUP_DIR = "/var/lib/gpunode/backup"
 SYSTEMCTL_TIMEOUT = 60.0
 
@@ -93,6 +94,8 @@ def render_service(executable: str, options: GenerateOptions) -> str:
         "\n"
         "[Service]\n"
         "Type=oneshot\n"
+        # Where NVML is not on the loader's path (a driver container: LD_LIBRARY_PATH=...).
+        f"EnvironmentFile=-{ENV_FILE}\n"
         f"ExecStart={command}\n"
         "\n"
         "[Install]\n"
