@@ -20,14 +20,29 @@ lexicographically:
 - `packed`: fewest distinct units, then the most devices on units that already hold a must_include
   device, then the most uneven split (largest sum of squares: units are filled up, so the ones with the
   most free replicas are taken first and the rest stay as free as possible), then the best score.
-Ties are broken deterministically (the first set in unit order), so the same request gets the same
-answer.
+Among choices equal on all of that, the one that keeps the node usable: what it leaves free (the
+remainder) is judged by the next requests. For each next-request size k, in the order 2, 4, 8, ... then
+3, 5, 6, 7, ... (`next_sizes`), the best score of k distinct units that still have a free device (none
+when fewer are left), compared in that order; then, with replicas, the free counts per unit: `spread`
+wants them even (the next request can spread widest), `packed` uneven (free devices on as few units as
+possible: whole GPUs stay whole; for packed the counts come before the sets). Why this measure: it is
+the objective the next request will be served by (its best set by the same pair scores), so "best sets
+left" means exactly what the plugin will be able to give; powers of two first because that is what
+jobs ask for (parallel degrees), smaller first because they come more often, a larger size only
+breaking the ties of the smaller (a sum over sizes would let the quadratically larger scores of big,
+rare requests outvote the common small ones). Size 1 is not a criterion (any free unit serves it).
+So on a DGX-1 with GPU 7 busy a 1-GPU request gets GPU 6, not 0: {0, 1, 2, 3} stays a fully linked quad
+for a 4-GPU request, and 6 is, of 4, 5 and 6, the least linked to the rest. Remaining ties are broken
+deterministically (the first set in unit order), so the same request gets the same answer.
 
 Search. The first two parts of the objective fix how many units are used and, nearly, the split, so
 the search enumerates only sets of units (and the few splits that tie on shape) and scores each: exact
-whenever that costs at most `SEARCH_LIMIT` (every 8-GPU case, replicas included). Larger cases (dozens of
-MIG instances, say) use greedy builds from a few promising first picks, each improved by single-device
-moves until none improves the objective: the unit count and split come out optimal, the score close.
+whenever that costs at most `SEARCH_LIMIT` (every 8-GPU case, replicas included). The remainder then
+decides among the tied sets: a table of every set's score over the units with free devices (2^units
+entries, O(1) each), then every subset of each distinct remainder; exact up to ~10 such units, beyond
+that only the free counts decide. Larger cases (dozens of MIG instances, say) use greedy builds from a
+few promising first picks, each improved by single-device moves until none improves the objective: the
+unit count and split come out optimal, the score close; the remainder plays no part there.
 
 Odd requests never raise (an error fails the pod's admission); the answer is always must_include first
 (duplicates dropped, given order), then the chosen devices in `available` order:
@@ -277,10 +292,10 @@ def _unit_score(topology: Topology, u: _Unit, v: _Unit) -> int:
 
 
 def _solve(p: _Problem) -> list[int]:
-    exact = _spread_exact(p) if p.spread else _packed_exact(p)
-    if exact is not None:
-        return exact
-    return _heuristic(p)
+    tied = _spread_exact(p) if p.spread else _packed_exact(p)
+    if tied is None:
+        return _heuristic(p)
+    return _most_usable(p, tied)
 
 
 def _affordable(p: _Problem, candidates: int, members: int) -> bool:
@@ -288,14 +303,14 @@ def _affordable(p: _Problem, candidates: int, members: int) -> bool:
     return candidates * max(members, 1) ** 2 <= p.limit
 
 
-def _best(p: _Problem, candidates: Iterable[Candidate]) -> list[int] | None:
-    """The first candidate with the largest key, as extra counts per unit; None if there is none.
+def _best(p: _Problem, candidates: Iterable[Candidate]) -> list[list[int]] | None:
+    """Every candidate with the largest key, in the order found, as extra counts per unit; None if none.
 
     Candidates whose shape is already worse than the best are not scored. The number looked at is
     capped by the limit too, so an unexpectedly wide split enumeration still ends (with the best
     seen, a valid choice).
     """
-    best: Candidate | None = None
+    tied: list[Candidate] = []
     best_key: tuple[int, ...] | None = None
     for members, counts in itertools.islice(candidates, max(p.limit, 1)):
         shape = p.shape(members, counts)
@@ -303,19 +318,22 @@ def _best(p: _Problem, candidates: Iterable[Candidate]) -> list[int] | None:
             continue
         key = (*shape, p.score(members, counts))
         if best_key is None or key > best_key:
-            best, best_key = (members, counts), key
-    if best is None:
-        return None
-    x = [0] * p.n
-    for u, count in zip(*best, strict=True):
-        x[u] = count - p.m[u]
-    return x
+            tied, best_key = [(members, counts)], key
+        elif key == best_key:
+            tied.append((members, counts))
+    out = []
+    for members, counts in tied:
+        x = [0] * p.n
+        for u, count in zip(members, counts, strict=True):
+            x[u] = count - p.m[u]
+        out.append(x)
+    return out or None
 
 
 # -- exact search -----------------------------------------------------------------------------------
 
 
-def _spread_exact(p: _Problem) -> list[int] | None:
+def _spread_exact(p: _Problem) -> list[list[int]] | None:
     forced = [u for u in range(p.n) if p.m[u] > 0]
     fresh = [u for u in range(p.n) if p.m[u] == 0 and p.a[u] > 0]
     if p.need <= len(fresh):
@@ -356,7 +374,7 @@ def _spread_exact(p: _Problem) -> list[int] | None:
     return _best(p, (topped(k) for k in itertools.combinations(ties, extra)))
 
 
-def _packed_exact(p: _Problem) -> list[int] | None:
+def _packed_exact(p: _Problem) -> list[list[int]] | None:
     forced = [u for u in range(p.n) if p.m[u] > 0]
     fresh = [u for u in range(p.n) if p.m[u] == 0 and p.a[u] > 0]
     # Fewest units: fill the forced ones first, then open the roomiest; that count is the minimum.
@@ -468,6 +486,85 @@ def _greedy_split(lo: list[int], hi: list[int], total: int) -> list[int]:
         c[u] += take
         left -= take
     return c
+
+
+# -- what the choice leaves free ---------------------------------------------------------------------
+
+
+def next_sizes(units: int) -> list[int]:
+    """The request sizes a remainder is judged by, most decisive first: 2, 4, 8, ... then 3, 5, 6, 7, ...
+
+    Jobs ask for powers of two (data- and tensor-parallel degrees), and smaller requests come more
+    often, so those decide first and a larger size only breaks their ties. Size 1 is left out: any
+    non-empty remainder serves it equally.
+    """
+    powers = [1 << b for b in range(1, max(units, 1).bit_length()) if 1 << b <= units]
+    return powers + [k for k in range(3, units + 1) if k not in powers]
+
+
+def _most_usable(p: _Problem, tied: list[list[int]]) -> list[int]:
+    """Of candidates equal on the objective, the one whose remainder keeps the best sets (the first one
+    of those, in the order found).
+
+    A remainder (each unit's free devices less the ones taken) is judged by `usable` sets of units: for
+    each size k of `next_sizes(units that had a free device)`, the best set score of k distinct units
+    that still have a free device (-1 when fewer than k are left), compared in that order; and by its
+    free counts: `spread` keeps them even (least sum of squares, the next request can spread as far
+    as possible), `packed` keeps them uneven (largest: the devices left are on as few units as possible,
+    whole GPUs stay whole). Spread compares the sets first, then the counts; packed the counts first.
+    With whole GPUs the counts are the same for every candidate and only the sets count.
+
+    The sets cost 2^units (a table of every set's score) plus 2^free units per distinct remainder; when
+    that is over the limit (more than ~10 units with free devices) only the counts are compared.
+    """
+    if len(tied) == 1:
+        return tied[0]
+    free = [u for u in range(p.n) if p.a[u] > 0]
+    bit = {u: 1 << i for i, u in enumerate(free)}
+    remainders = [sum(bit[u] for u in free if p.a[u] > x[u]) for x in tied]
+    distinct = set(remainders)
+    cost = (1 << len(free)) * 2 + sum(1 << m.bit_count() for m in distinct)
+    sets: dict[int, tuple[int, ...]] = dict.fromkeys(distinct, ())
+    if len(distinct) > 1 and cost <= p.limit:
+        table = _set_scores(p, free)
+        sizes = next_sizes(len(free))
+        for m in distinct:
+            sets[m] = _best_by_size(table, m, sizes)
+
+    def key(i: int) -> tuple[tuple[int, ...], ...]:
+        squares = sum((p.a[u] - tied[i][u]) ** 2 for u in free)
+        sets_left = sets[remainders[i]]
+        return (sets_left, (-squares,)) if p.spread else ((squares,), sets_left)
+
+    return tied[max(range(len(tied)), key=key)]  # max() keeps the first of equals
+
+
+def _set_scores(p: _Problem, free: list[int]) -> list[int]:
+    """The score of every set of the units in `free`, indexed by bitmask (bit i: free[i])."""
+    table = [0] * (1 << len(free))
+    for mask in range(3, len(table)):
+        low = mask & -mask
+        rest = mask ^ low
+        if not rest:
+            continue
+        low2 = rest & -rest
+        # Pairs of the set = pairs without the lowest unit + pairs without the second lowest - pairs
+        # without either (counted twice) + the pair of those two: O(1) per set.
+        pair = p.s[free[low.bit_length() - 1]][free[low2.bit_length() - 1]]
+        table[mask] = table[rest] + table[mask ^ low2] - table[rest ^ low2] + pair
+    return table
+
+
+def _best_by_size(table: list[int], mask: int, sizes: list[int]) -> tuple[int, ...]:
+    """For each size, the best score of a set of that many units within `mask`; -1 if mask is smaller."""
+    best = [-1] * (mask.bit_count() + 1)
+    sub = mask
+    while sub:
+        c = sub.bit_count()
+        if table[sub] > best[c]:  # noqa: PLR1730  (the hot loop: a compare costs less than max())
+            best[c] = table[sub]
+        sub = (sub - 1) & mask
+    return tuple(best[k] if k < len(best) else -1 for k in sizes)
 
 
 # -- heuristic --------------------------------------------------------------------------------------
