@@ -37,14 +37,21 @@ def mknod(path: Path, major: int, minor: int) -> None:
     os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(major, minor))
 
 
-def write_ld_cache(path: Path, entries: Iterable[tuple[str, str]], flags: int = FLAGS_X86_64) -> None:
-    """A glibc ld.so.cache (format 1.1) listing (soname, path) entries, as `ldconfig` writes it."""
-    items = sorted(entries, reverse=True)
+def write_ld_cache(
+    path: Path,
+    entries: Iterable[tuple[str, str]],
+    flags: int = FLAGS_X86_64,
+    *,
+    other: Iterable[tuple[str, str, int]] = (),
+) -> None:
+    """A glibc ld.so.cache (format 1.1) listing (soname, path) entries, as `ldconfig` writes it; `other`
+    adds (soname, path, flags) entries of another machine (0x0003: 32-bit x86)."""
+    items = sorted([(n, p, flags) for n, p in entries] + list(other), reverse=True)
     header_size, entry_size = 48, 24
     strings = bytearray()
     offsets: list[tuple[int, int]] = []
     base = header_size + entry_size * len(items)
-    for name, target in items:
+    for name, target, _ in items:
         key = base + len(strings)
         strings += name.encode() + b"\0"
         value = base + len(strings)
@@ -52,8 +59,8 @@ def write_ld_cache(path: Path, entries: Iterable[tuple[str, str]], flags: int = 
         offsets.append((key, value))
     data = bytearray(b"glibc-ld.so.cache1.1")
     data += struct.pack("<IIB3xI12x", len(items), len(strings), 2, 0)
-    for key, value in offsets:
-        data += struct.pack("<iIIIQ", flags, key, value, 0, 0)
+    for (key, value), (_, _, entry_flags) in zip(offsets, items, strict=True):
+        data += struct.pack("<iIIIQ", entry_flags, key, value, 0, 0)
     data += strings
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(bytes(data))

@@ -146,11 +146,14 @@ def test_libraries_come_from_the_linker_cache_and_from_beside_the_loaded_nvml(tm
     entries = [(s, f"{cdinode.LIB_DIR}/{s}") for s, _ in cdinode.LIBRARIES]
     entries.append(("libnvidia-old.so.1", f"{cdinode.LIB_DIR}/libnvidia-old.so.535.104.05"))
     entries.append(("libgone.so.1", f"{cdinode.LIB_DIR}/libgone.so.{VERSION}"))  # ldconfig not run since
-    cdinode.write_ld_cache(tmp_path / "etc/ld.so.cache", entries)
+    i386 = ("libcuda.so.1", f"/usr/lib/i386-linux-gnu/libcuda.so.{VERSION}", 0x0003)
+    cdinode.write_ld_cache(tmp_path / "etc/ld.so.cache", entries, other=[i386])
     cache = read_ld_cache((tmp_path / "etc/ld.so.cache").read_bytes())
     assert ("libcuda.so.1", f"{cdinode.LIB_DIR}/libcuda.so.1") in [(n, p) for _, n, p in cache]
+    assert (0x0003, *i386[:2]) in cache  # read, and left out below: not this machine's
 
     without_nvml = find_libraries(host, Roots(), VERSION)
+    assert i386[1] not in without_nvml and all(p.startswith(cdinode.LIB_DIR) for p in without_nvml)
     assert f"{cdinode.LIB_DIR}/libnvidia-allocator.so.{VERSION}" in without_nvml  # beside a cached one
     names = {p.rsplit("/", 1)[1] for p in without_nvml}
     assert names == {f.format(v=VERSION) for _, f in cdinode.LIBRARIES} | {
