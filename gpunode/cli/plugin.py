@@ -111,6 +111,43 @@ def _switch(flag: str, env: str, text: str) -> Callable[[F], F]:
     "Refuse a container asking for more than one shared GPU.",
 )
 @_flag("--placement", "GPUNODE_PLACEMENT", "Replicas: spread over GPUs (default) or packed.", "MODE")
+@_flag(
+    "--time-slicing-resources",
+    "GPUNODE_TIME_SLICING_RESOURCES",
+    'Per resource, as JSON: [{"name": "nvidia.com/gpu", "replicas": 4, "devices": [0, 1], "rename": ...}].',
+    "JSON",
+)
+@_flag(
+    "--gpu-resources",
+    "GPUNODE_GPU_RESOURCES",
+    'A resource per GPU model, as JSON: [{"pattern": "*A100*", "name": "a100"}].',
+    "JSON",
+)
+@_flag(
+    "--mig-resources",
+    "GPUNODE_MIG_RESOURCES",
+    'A resource per MIG profile (mixed), as JSON: [{"pattern": "1g.*", "name": "mig-small"}].',
+    "JSON",
+)
+@_flag("--dev-root", "GPUNODE_DEV_ROOT", "Where the device nodes are (default: the driver root).", "DIR")
+@_flag(
+    "--cdi-annotation-prefix",
+    "GPUNODE_CDI_ANNOTATION_PREFIX",
+    "Key prefix of the cdi-annotations strategy (default cdi.k8s.io/).",
+    "PREFIX",
+)
+@_switch("--gds-enabled", "GPUNODE_GDS_ENABLED", "Give containers NVIDIA_GDS=enabled (GPUDirect Storage).")
+@_switch("--mofed-enabled", "GPUNODE_MOFED_ENABLED", "Give containers NVIDIA_MOFED=enabled.")
+@_switch("--gdrcopy-enabled", "GPUNODE_GDRCOPY_ENABLED", "Give containers NVIDIA_GDRCOPY=enabled.")
+@_flag(
+    "--imex-channel-ids",
+    "GPUNODE_IMEX_CHANNEL_IDS",
+    "IMEX channels to give every container: 0 or none (default none).",
+    "LIST",
+)
+@_switch(
+    "--imex-required", "GPUNODE_IMEX_REQUIRED", "Refuse to start when a configured IMEX channel is missing."
+)
 @_switch("--health-checks", "GPUNODE_HEALTH_ENABLED", "Watch NVML events (Xid, ECC) and mark GPUs unhealthy.")
 @_flag(
     "--ignored-xids",
@@ -147,6 +184,16 @@ def run(
     rename_by_default: bool | None,
     fail_requests_greater_than_one: bool | None,
     placement: str | None,
+    time_slicing_resources: str | None,
+    gpu_resources: str | None,
+    mig_resources: str | None,
+    dev_root: str | None,
+    cdi_annotation_prefix: str | None,
+    gds_enabled: bool | None,
+    mofed_enabled: bool | None,
+    gdrcopy_enabled: bool | None,
+    imex_channel_ids: str | None,
+    imex_required: bool | None,
     health_checks: bool | None,
     ignored_xids: str | None,
     critical_xids: str | None,
@@ -175,6 +222,16 @@ def run(
         "rename_by_default": rename_by_default,
         "fail_requests_greater_than_one": fail_requests_greater_than_one,
         "placement": placement,
+        "shared_resources": time_slicing_resources,
+        "gpu_resources": gpu_resources,
+        "mig_resources": mig_resources,
+        "dev_root": dev_root,
+        "cdi_annotation_prefix": cdi_annotation_prefix,
+        "gds_enabled": gds_enabled,
+        "mofed_enabled": mofed_enabled,
+        "gdrcopy_enabled": gdrcopy_enabled,
+        "imex_channel_ids": imex_channel_ids,
+        "imex_required": imex_required,
         "health.enabled": health_checks,
         "health.ignored_xids": ignored_xids,
         "health.critical_xids": critical_xids,

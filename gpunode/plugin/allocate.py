@@ -7,13 +7,14 @@ nodes) is read once at start by `read_device_nodes`, never per call: kubelet wai
 
 from __future__ import annotations
 
+import logging
 import posixpath
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from gpunode.cdi.spec import annotation_key
-from gpunode.errors import GpunodeError
+from gpunode.cdi.spec import ANNOTATION_PREFIX, annotation_key
+from gpunode.errors import ConfigError, GpunodeError
 from gpunode.host import Host
 from gpunode.plugin.devices import DeviceHealth, PluginDevice, Resource
 from gpunode.plugin.logsafe import shown, shown_ids
@@ -23,6 +24,8 @@ VOLUME_MOUNT_DIR = "/var/run/nvidia-container-devices"
 CDI_ANNOTATION_PREFIX = "cdi.k8s.io/"
 # Control nodes every CUDA container needs besides its /dev/nvidiaN, when they exist on the host.
 CONTROL_DEVICES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset")
+IMEX_CHANNEL_DIR = "/dev/nvidia-caps-imex-channels"
+IMEX_CHANNELS = "NVIDIA_IMEX_CHANNELS"
 
 
 class Refused(Exception):
@@ -41,6 +44,7 @@ class DeviceNodes:
     driver_root: str = "/"
     control: tuple[str, ...] = ()  # container paths of the control nodes that exist
     mig_caps: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # MIG UUID -> cap device paths
+    imex_channels: tuple[str, ...] = ()  # IDs of the configured IMEX channels whose device nodes exist
 
     def host_path(self, container_path: str) -> str:
         if self.driver_root == "/":
@@ -55,6 +59,9 @@ class AllocateSettings:
     cdi_kind: str = "nvidia.com/gpu"
     fail_requests_greater_than_one: bool = False
     nodes: DeviceNodes = field(default_factory=DeviceNodes)
+    # NVIDIA_GDS / NVIDIA_MOFED / NVIDIA_GDRCOPY=enabled: every container gets them, whatever the strategy
+    extra_envs: Mapping[str, str] = field(default_factory=dict)
+    annotation_prefix: str = ANNOTATION_PREFIX
 
 
 @dataclass(frozen=True)
@@ -130,25 +137,33 @@ def _check(
 def _answer(devices: list[PluginDevice], settings: AllocateSettings) -> ContainerAllocation:
     # Replicas of one GPU are one device to the runtime: expose each physical device once, in order.
     visible = list(dict.fromkeys(d.visible_id for d in devices))
-    envs: dict[str, str] = {}
+    envs: dict[str, str] = dict(settings.extra_envs)
     mounts: list[tuple[str, str, bool]] = []
     annotations: dict[str, str] = {}
     cdi: list[str] = []
+    channels = settings.nodes.imex_channels
     for strategy in settings.device_list_strategy:
         if strategy == "envvar":
             envs[VISIBLE_DEVICES] = ",".join(visible)
+            # As NVIDIA's plugin does: the channels with the envvar strategy, for the runtime to inject.
+            if channels:
+                envs[IMEX_CHANNELS] = ",".join(channels)
         elif strategy == "volume-mounts":
             # nvidia-container-runtime reads the IDs from these mount points when its config says
             # accept-nvidia-visible-devices-as-volume-mounts = true (unprivileged pods cannot fake it).
             envs[VISIBLE_DEVICES] = VOLUME_MOUNT_DIR
             mounts.extend((f"{VOLUME_MOUNT_DIR}/{v}", "/dev/null", True) for v in visible)
+            mounts.extend((f"{VOLUME_MOUNT_DIR}/imex/{c}", "/dev/null", True) for c in channels)
         elif strategy == "cdi-cri":
             cdi.extend(f"{settings.cdi_kind}={v}" for v in visible)
         elif strategy == "cdi-annotations":
             for v in visible:
                 # The CDI rules' key (prefix, `/` replaced, at most 63 characters after the prefix): a key
                 # the runtime's CDI library refuses would fail the container, not just lose the device.
-                annotations[annotation_key("gpunode", v)] = f"{settings.cdi_kind}={v}"
+                key = annotation_key("gpunode", v)
+                # cdiAnnotationPrefix: NVIDIA's plugin swaps the prefix of the keys the CDI rules made.
+                key = settings.annotation_prefix + key.removeprefix(ANNOTATION_PREFIX)
+                annotations[key] = f"{settings.cdi_kind}={v}"
     specs: list[tuple[str, str, str]] = []
     if settings.pass_device_specs:
         nodes = settings.nodes
@@ -158,12 +173,24 @@ def _answer(devices: list[PluginDevice], settings: AllocateSettings) -> Containe
                 wanted.append(f"/dev/nvidia{device.minor}")
             if device.mig is not None:
                 wanted.extend(nodes.mig_caps.get(device.uuid, ()))
+        wanted.extend(f"{IMEX_CHANNEL_DIR}/channel{c}" for c in channels)
         specs = [(p, nodes.host_path(p), "rw") for p in dict.fromkeys(wanted)]
     return ContainerAllocation(envs, tuple(mounts), tuple(specs), annotations, tuple(cdi))
 
 
-def read_device_nodes(host: Host, driver_root: str, resources: Sequence[Resource]) -> DeviceNodes:
-    """Which control nodes exist under the driver root, and each MIG instance's capability nodes."""
+def read_device_nodes(
+    host: Host,
+    driver_root: str,
+    resources: Sequence[Resource],
+    *,
+    imex_channel_ids: Sequence[int] = (),
+    imex_required: bool = False,
+) -> DeviceNodes:
+    """Which control nodes exist under the driver (or device) root, each MIG instance's capability nodes,
+    and which configured IMEX channels exist.
+
+    An IMEX channel that does not exist is skipped with a warning, or, with imex-required, refused
+    (ConfigError), as NVIDIA's plugin does (internal/imex GetChannels)."""
     probe = DeviceNodes(driver_root=driver_root)
     control = tuple(p for p in CONTROL_DEVICES if host.exists(probe.host_path(p)))
     caps: dict[str, tuple[str, ...]] = {}
@@ -182,7 +209,21 @@ def read_device_nodes(host: Host, driver_root: str, resources: Sequence[Resource
                 if minor is not None:
                     found.append(f"/dev/nvidia-caps/nvidia-cap{minor}")
             caps[device.uuid] = tuple(found)
-    return DeviceNodes(driver_root=driver_root, control=control, mig_caps=caps)
+    channels: list[str] = []
+    for channel in imex_channel_ids:
+        path = f"{IMEX_CHANNEL_DIR}/channel{channel}"
+        if host.is_char_device(probe.host_path(path)):
+            channels.append(str(channel))
+            continue
+        message = f"IMEX channel {probe.host_path(path)} does not exist (or is not a character device)"
+        if imex_required:
+            raise ConfigError(
+                message + " and imex.required is set",
+                "create the channel (the nvidia driver's NVreg_CreateImexChannel0=1, or mknod with the "
+                "nvidia-caps-imex-channels major of /proc/devices), or set imex.required = false",
+            )
+        logging.getLogger("gpunode.plugin").warning("%s; containers get no IMEX channel", message)
+    return DeviceNodes(driver_root=driver_root, control=control, mig_caps=caps, imex_channels=tuple(channels))
 
 
 def _cap_minor(host: Host, path: str) -> int | None:

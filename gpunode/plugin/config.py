@@ -7,6 +7,7 @@ that name the key and where it came from; nothing is ignored silently.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -15,7 +16,7 @@ from typing import Any
 from gpunode import paths
 from gpunode.errors import ConfigError, NotFound
 from gpunode.host import Host
-from gpunode.plugin.devices import DEVICE_ID_STRATEGIES, MIG_STRATEGIES
+from gpunode.plugin.devices import DEVICE_ID_STRATEGIES, MIG_STRATEGIES, NamedResource, SharedResource
 from gpunode.plugin.health import APPLICATION_XIDS, HealthSettings, apply_dp_environment
 
 DEFAULT_CONFIG = "/etc/gpunode/plugin.toml"
@@ -44,6 +45,16 @@ class PluginConfig:
     rename_by_default: bool = False
     fail_requests_greater_than_one: bool = False
     placement: str = "spread"
+    shared_resources: tuple[SharedResource, ...] = ()
+    gpu_resources: tuple[NamedResource, ...] = ()
+    mig_resources: tuple[NamedResource, ...] = ()
+    dev_root: str = ""  # where the device nodes are on the host; "" : the driver root
+    cdi_annotation_prefix: str = "cdi.k8s.io/"
+    gds_enabled: bool = False
+    mofed_enabled: bool = False
+    gdrcopy_enabled: bool = False
+    imex_channel_ids: tuple[int, ...] = ()
+    imex_required: bool = False
     health: HealthSettings = field(default_factory=HealthSettings)
     # Where each setting came from ("default", "file <path>", "env NAME", "flag --x"), for `--show-config`.
     origins: Mapping[str, str] = field(default_factory=dict, compare=False)
@@ -165,6 +176,114 @@ def _xids(value: Any, where: str) -> frozenset[int]:
     return frozenset(out)
 
 
+def _json_list(value: Any, where: str) -> list[Any]:
+    # The environment and flags hold these lists as JSON text; the file holds TOML arrays.
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value.strip() else []
+        except ValueError as err:
+            raise ConfigError(f"{where}: not a JSON list ({err})", "write it as JSON: [...]") from None
+    if not isinstance(value, list):
+        raise ConfigError(f"{where}: expected a list, got {value!r}")
+    return value
+
+
+def _table(item: Any, where: str, required: tuple[str, ...], optional: tuple[str, ...]) -> dict[str, Any]:
+    if not isinstance(item, dict):
+        raise ConfigError(f"{where}: expected a table with {', '.join(required)}, got {item!r}")
+    unknown = [k for k in item if k not in required + optional]
+    if unknown:
+        raise ConfigError(
+            f"{where}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}",
+            f"use only {', '.join(required + optional)}",
+        )
+    missing = [k for k in required if k not in item]
+    if missing:
+        raise ConfigError(f"{where}: {', '.join(missing)} missing", f"each entry needs {', '.join(required)}")
+    return dict(item)
+
+
+def _short_or_full_name(value: Any, where: str) -> str:
+    # NVIDIA's names may leave the domain out ("a100" is nvidia.com/a100): checked with a placeholder one.
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{where}: {value!r} is not a resource name")
+    problem = resource_name_problem(value if "/" in value else f"nvidia.com/{value}")
+    if problem:
+        raise ConfigError(f"{where}: {problem}", "use a name such as nvidia.com/gpu, or a100")
+    return value
+
+
+_DEVICE_REF = re.compile(r"^(\d+|\d+:\d+|(GPU|MIG)-[0-9A-Za-z/-]+)$")
+
+
+def _shared_resources(value: Any, where: str) -> tuple[SharedResource, ...]:
+    out: list[SharedResource] = []
+    for n, item in enumerate(_json_list(value, where)):
+        at = f"{where}[{n}]"
+        entry = _table(item, at, ("name", "replicas"), ("rename", "devices"))
+        name = _short_or_full_name(entry["name"], f"{at}.name")
+        rename = _short_or_full_name(entry["rename"], f"{at}.rename") if "rename" in entry else ""
+        devices = entry.get("devices", "all")
+        if isinstance(devices, bool) or not (
+            devices == "all" or (isinstance(devices, int) and devices > 0) or isinstance(devices, list)
+        ):
+            raise ConfigError(
+                f"{at}.devices: {devices!r} is not 'all', a count of at least 1, or a list of devices",
+                "list GPU indexes (0), MIG indexes (0:1) or UUIDs",
+            )
+        if isinstance(devices, list):
+            refs = [str(d) if isinstance(d, int) and not isinstance(d, bool) else d for d in devices]
+            bad = [d for d in refs if not isinstance(d, str) or not _DEVICE_REF.match(d)]
+            if bad:
+                raise ConfigError(
+                    f"{at}.devices: {', '.join(map(repr, bad))} is not a GPU index, MIG index or UUID",
+                    "list GPU indexes (0), MIG indexes (0:1) or UUIDs (GPU-..., MIG-...)",
+                )
+            devices = tuple(refs)
+        out.append(SharedResource(name, _replicas(entry["replicas"], f"{at}.replicas"), rename, devices))
+    names = [r.name for r in out]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{where}: a resource is named twice", "give each resource one entry")
+    return tuple(out)
+
+
+def _named_resources(value: Any, where: str) -> tuple[NamedResource, ...]:
+    out: list[NamedResource] = []
+    for n, item in enumerate(_json_list(value, where)):
+        at = f"{where}[{n}]"
+        entry = _table(item, at, ("pattern", "name"), ())
+        if not isinstance(entry["pattern"], str) or not entry["pattern"]:
+            raise ConfigError(f"{at}.pattern: {entry['pattern']!r} is not a pattern such as '*A100*'")
+        out.append(NamedResource(entry["pattern"], _short_or_full_name(entry["name"], f"{at}.name")))
+    return tuple(out)
+
+
+def _channel_ids(value: Any, where: str) -> tuple[int, ...]:
+    items: Any = value
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("[") or not text:
+            items = _json_list(text, where)
+        else:
+            items = [int(p) if p.strip().isdigit() else p.strip() for p in text.split(",")]
+    # NVIDIA's plugin takes only [] or [0] (api/config/v1/imex.go, AssertChannelIDsValid).
+    if not isinstance(items, list) or items not in ([], [0]) or any(isinstance(i, bool) for i in items):
+        raise ConfigError(
+            f"{where}: {value!r}: IMEX channel IDs must be [] or [0]", "use [0], or leave it out"
+        )
+    return tuple(items)
+
+
+def _path_or_empty(value: Any, where: str) -> str:
+    return "" if value == "" else _absolute_path(value, where)
+
+
+def _annotation_prefix(value: Any, where: str) -> str:
+    if not isinstance(value, str) or not value.endswith("/") or resource_name_problem(value + "x"):
+        raise ConfigError(f"{where}: {value!r} is not an annotation prefix such as cdi.k8s.io/")
+    return value
+
+
 def _cdi_kind(value: Any, where: str) -> str:
     if not isinstance(value, str) or resource_name_problem(value):
         raise ConfigError(f"{where}: {value!r} is not a CDI kind such as nvidia.com/gpu")
@@ -195,6 +314,19 @@ OPTIONS: tuple[Option, ...] = (
            "GPUNODE_FAIL_REQUESTS_GREATER_THAN_ONE", "--fail-requests-greater-than-one", _bool),
     Option("placement", "time-slicing.placement", "GPUNODE_PLACEMENT", "--placement",
            _str_choice(PLACEMENTS)),
+    Option("shared_resources", "time-slicing.resources", "GPUNODE_TIME_SLICING_RESOURCES",
+           "--time-slicing-resources", _shared_resources),
+    Option("gpu_resources", "resources.gpus", "GPUNODE_GPU_RESOURCES", "--gpu-resources", _named_resources),
+    Option("mig_resources", "resources.mig", "GPUNODE_MIG_RESOURCES", "--mig-resources", _named_resources),
+    Option("dev_root", "dev-root", "GPUNODE_DEV_ROOT", "--dev-root", _path_or_empty),
+    Option("cdi_annotation_prefix", "cdi-annotation-prefix", "GPUNODE_CDI_ANNOTATION_PREFIX",
+           "--cdi-annotation-prefix", _annotation_prefix),
+    Option("gds_enabled", "gds-enabled", "GPUNODE_GDS_ENABLED", "--gds-enabled", _bool),
+    Option("mofed_enabled", "mofed-enabled", "GPUNODE_MOFED_ENABLED", "--mofed-enabled", _bool),
+    Option("gdrcopy_enabled", "gdrcopy-enabled", "GPUNODE_GDRCOPY_ENABLED", "--gdrcopy-enabled", _bool),
+    Option("imex_channel_ids", "imex.channel-ids", "GPUNODE_IMEX_CHANNEL_IDS", "--imex-channel-ids",
+           _channel_ids),
+    Option("imex_required", "imex.required", "GPUNODE_IMEX_REQUIRED", "--imex-required", _bool),
     Option("health.enabled", "health.enabled", "GPUNODE_HEALTH_ENABLED", "--health-checks", _bool),
     Option("health.ignored_xids", "health.ignored-xids", "GPUNODE_HEALTH_IGNORED_XIDS", "--ignored-xids",
            _xids),
@@ -242,7 +374,15 @@ def read_config_file(host: Host, path: str, *, required: bool) -> dict[str, tupl
         return {}
     from gpunode.runtimes.edits import parse_toml_document  # tomlkit: only when there is a file
 
-    doc = parse_toml_document(text, path).unwrap()
+    try:
+        doc = parse_toml_document(text, path).unwrap()
+    except ConfigError:
+        # Not TOML: NVIDIA's device-plugin config (YAML or JSON, version v1) is taken as it is.
+        from gpunode.plugin.nvidia_config import is_nvidia_config, read_options
+
+        if not is_nvidia_config(text):
+            raise
+        return read_options(text, path)
     found: dict[str, tuple[Any, str]] = {}
     unknown: list[str] = []
     sections = {k.split(".", 1)[0] for k in _BY_KEY if "." in k}
@@ -348,7 +488,8 @@ def value_of(config: PluginConfig, option: Option) -> Any:
     if isinstance(value, frozenset):
         return sorted(value)
     if isinstance(value, tuple):
-        return list(value)
+        # Per-resource entries (time-slicing.resources, resources.gpus) as the tables the file holds.
+        return [v.as_dict() if isinstance(v, (SharedResource, NamedResource)) else v for v in value]
     return value
 
 
@@ -374,6 +515,8 @@ def _toml_value(value: Any) -> str:
         return repr(value)  # floats as 60.0, so they read back as floats
     if isinstance(value, str):
         return _toml_string(value)
+    if isinstance(value, Mapping):  # an inline table: {name = "nvidia.com/gpu", replicas = 4}
+        return "{" + ", ".join(f"{_toml_string(k)} = {_toml_value(v)}" for k, v in value.items()) + "}"
     return "[" + ", ".join(_toml_value(v) for v in value) + "]"
 
 

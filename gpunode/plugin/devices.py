@@ -195,7 +195,7 @@ def build_resources(
     replicas_of: dict[str, int] = {}
     for name, members in groups.items():
         base = [_device(gpu, mig, device_id_strategy) for gpu, mig in members]
-        share = _sharing_for(name, sharing)
+        share = _sharing_for(name, domain, sharing)
         if share is None or share.replicas <= 1:
             by_name.setdefault(name, []).extend(base)
             replicas_of.setdefault(name, 1)
@@ -248,9 +248,9 @@ def _mig_name(domain: str, profile: str, mig_names: tuple[NamedResource, ...]) -
     return None
 
 
-def _sharing_for(name: str, sharing: Sharing) -> SharedResource | None:
+def _sharing_for(name: str, domain: str, sharing: Sharing) -> SharedResource | None:
     for share in sharing.resources:
-        if share.name == name:
+        if _qualified(domain, share.name) == name:
             return share
     if sharing.replicas > 1:
         return SharedResource(name, sharing.replicas)

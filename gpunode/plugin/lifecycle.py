@@ -290,7 +290,9 @@ class Plugin:
             resource_name=config.resource_name,
             mig_strategy=config.mig_strategy,
             device_id_strategy=config.device_id_strategy,
-            sharing=Sharing(config.replicas, config.rename_by_default),
+            sharing=Sharing(config.replicas, config.rename_by_default, config.shared_resources),
+            gpu_names=config.gpu_resources,
+            mig_names=config.mig_resources,
         )
         check_message_sizes(resources)
         if not self.simulated:
@@ -306,10 +308,19 @@ class Plugin:
             if gpu.lost:
                 self.registry.mark(Unit(gpu.index), "lost from the bus (at start)")
         self._topology = Topology.from_inventory(inventory)
+        # Device nodes are looked for, and handed to the runtime, under the device root (NVIDIA's
+        # nvidiaDevRoot), which is the driver root unless set.
+        dev_root = config.dev_root or config.driver_root
         self._nodes = (
-            DeviceNodes(driver_root=config.driver_root)
+            DeviceNodes(driver_root=dev_root)
             if self.simulated
-            else read_device_nodes(self.host, config.driver_root, resources)
+            else read_device_nodes(
+                self.host,
+                dev_root,
+                resources,
+                imex_channel_ids=config.imex_channel_ids,
+                imex_required=config.imex_required,
+            )
         )
         for resource in resources:
             log.info(
@@ -410,6 +421,16 @@ class Plugin:
                 cdi_kind=c.cdi_kind,
                 fail_requests_greater_than_one=c.fail_requests_greater_than_one,
                 nodes=self._nodes,
+                extra_envs={
+                    name: "enabled"
+                    for name, on in (
+                        ("NVIDIA_GDS", c.gds_enabled),
+                        ("NVIDIA_MOFED", c.mofed_enabled),
+                        ("NVIDIA_GDRCOPY", c.gdrcopy_enabled),
+                    )
+                    if on
+                },
+                annotation_prefix=c.cdi_annotation_prefix,
             ),
         )
 

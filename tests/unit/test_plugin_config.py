@@ -16,6 +16,7 @@ from gpunode.plugin.config import (
     load_config,
     resource_name_problem,
 )
+from gpunode.plugin.devices import NamedResource, SharedResource
 from gpunode.plugin.health import APPLICATION_XIDS
 from tests.integration.kubelet import is_valid_extended_resource_name
 
@@ -31,12 +32,26 @@ fail-on-init-error = false
 driver-root = "/run/nvidia/driver"
 socket-dir = "/tmp/dp"
 cdi-kind = "example.com/accel"
+dev-root = "/run/nvidia/dev"
+cdi-annotation-prefix = "cdi.example.com/"
+gds-enabled = true
+mofed-enabled = true
+gdrcopy-enabled = true
 
 [time-slicing]
 replicas = 4
 rename-by-default = true
 fail-requests-greater-than-one = true
 placement = "packed"
+resources = [{name = "example.com/a100", replicas = 2, devices = [0, "1:0"], rename = "a100-shared"}]
+
+[resources]
+gpus = [{pattern = "*A100*", name = "a100"}]
+mig = [{pattern = "1g.10gb", name = "mig-small"}]
+
+[imex]
+channel-ids = [0]
+required = true
 
 [health]
 enabled = true
@@ -82,6 +97,12 @@ def test_every_option_from_the_file(tmp_path: Path) -> None:
         True,
     )
     assert config.placement == "packed"
+    assert config.shared_resources == (SharedResource("example.com/a100", 2, "a100-shared", ("0", "1:0")),)
+    assert config.gpu_resources == (NamedResource("*A100*", "a100"),)
+    assert config.mig_resources == (NamedResource("1g.10gb", "mig-small"),)
+    assert (config.dev_root, config.cdi_annotation_prefix) == ("/run/nvidia/dev", "cdi.example.com/")
+    assert config.gds_enabled and config.mofed_enabled and config.gdrcopy_enabled
+    assert (config.imex_channel_ids, config.imex_required) == ((0,), True)
     assert config.health.ignored_xids == {13, 31}
     assert config.health.critical_xids == {43}
     assert config.health.recovery_quiet_period == 5.0

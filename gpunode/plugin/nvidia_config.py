@@ -1,0 +1,231 @@
+"""NVIDIA's device-plugin config file (k8s-device-plugin api/config/v1), read as it is.
+
+`plugin run --config FILE` takes either gpunode's TOML or this file (YAML or JSON, `version: v1`); which one
+is decided by content (config.read_config_file: what is not TOML is tried as NVIDIA's). Each NVIDIA key is
+translated into an option of gpunode's table (config.OPTIONS), so flags and the environment still win over
+the file, as they do over NVIDIA's file in its own plugin.
+
+Where gpunode differs from NVIDIA's reader, on purpose:
+- an unknown key is an error naming the key and its line (NVIDIA's YAML reader drops it silently, so a typo
+  such as `replica:` quietly turned sharing off);
+- `resources.gpus`/`resources.mig` and the `rename`/`devices` of a sharing entry, which NVIDIA's plugin
+  parses and then disables with a warning (DisableResourceNamingInConfig), work as their names say;
+- MPS sharing is parsed and checked, then refused: gpunode does not run MPS control daemons yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gpunode.errors import ConfigError
+
+VERSION = "v1"
+
+# Each level's keys: a nested dict is a table; a string names the gpunode option it becomes, "" : no option
+# (the note in NOTES says why). "[]" marks a list of tables whose keys follow.
+_REPLICATED = {"renameByDefault": "", "failRequestsGreaterThanOne": "", "resources": ""}
+_SCHEMA: dict[str, Any] = {
+    "version": "",
+    "flags": {
+        "migStrategy": "mig_strategy",
+        "failOnInitError": "fail_on_init_error",
+        "nvidiaDriverRoot": "driver_root",
+        "nvidiaDevRoot": "dev_root",
+        "mpsRoot": "",
+        "gdsEnabled": "gds_enabled",
+        "mofedEnabled": "mofed_enabled",
+        "gdrcopyEnabled": "gdrcopy_enabled",
+        "plugin": {
+            "passDeviceSpecs": "pass_device_specs",
+            "deviceListStrategy": "device_list_strategy",
+            "deviceIDStrategy": "device_id_strategy",
+            "cdiAnnotationPrefix": "cdi_annotation_prefix",
+            "containerDriverRoot": "",
+            "sharedDevicesAllocationPolicy": "placement",
+        },
+    },
+    "sharing": {
+        "timeSlicing": {
+            "renameByDefault": "rename_by_default",
+            "failRequestsGreaterThanOne": "fail_requests_greater_than_one",
+            "resources": "shared_resources",
+        },
+        "mps": _REPLICATED,
+    },
+    "resources": {"gpus": "gpu_resources", "mig": "mig_resources"},
+    "imex": {"channelIDs": "imex_channel_ids", "required": "imex_required"},
+}
+_ENTRY_KEYS = {
+    "sharing.timeSlicing.resources": ("name", "rename", "devices", "replicas"),
+    "sharing.mps.resources": ("name", "rename", "devices", "replicas"),
+    "resources.gpus": ("pattern", "name"),
+    "resources.mig": ("pattern", "name"),
+}
+NOTES = {
+    "version": "the format's version; gpunode reads v1",
+    "flags.mpsRoot": "MPS only; gpunode refuses MPS sharing for now, so nothing uses it",
+    "flags.plugin.containerDriverRoot": (
+        "where NVIDIA's containerised plugin sees the driver root; gpunode runs on the host and reads the "
+        "driver at driver-root (nvidiaDriverRoot)"
+    ),
+    "sharing.mps": "no MPS sharing configured (no resource with more than 1 replica): nothing to do",
+}
+# NVIDIA's allocation policy names -> gpunode's placement.
+_POLICIES = {"distributed": "spread", "packed": "packed"}
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One key of NVIDIA's file and what it becomes."""
+
+    key: str  # NVIDIA's dotted key, e.g. flags.plugin.deviceIDStrategy
+    line: int
+    option: str | None  # the gpunode option (PluginConfig field), None : no option (see note)
+    value: Any  # the option's value as gpunode's TOML file would hold it
+    note: str = ""
+
+
+def is_nvidia_config(text: str) -> bool:
+    """Whether text (already found not to be TOML) is NVIDIA's config: a YAML or JSON mapping with
+    `version`, or with nothing but NVIDIA's top-level keys."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return False
+    return isinstance(data, dict) and ("version" in data or (bool(data) and set(data) <= set(_SCHEMA)))
+
+
+def read_options(text: str, path: str) -> dict[str, tuple[Any, str]]:
+    """The options the file sets, by option name, with their origin (as config.read_config_file returns)."""
+    from gpunode.plugin.config import OPTIONS
+
+    by_name = {o.name: o for o in OPTIONS}
+    found: dict[str, tuple[Any, str]] = {}
+    for setting in translate(text, path):
+        if setting.option is None:
+            continue
+        option = by_name[setting.option]
+        where = f"{setting.key} ({path}, line {setting.line})"
+        found[option.name] = (option.parse(setting.value, where), f"file {path} ({setting.key})")
+    return found
+
+
+def translate(text: str, path: str) -> list[Setting]:
+    """Every key of the file with the gpunode option it becomes; ConfigError for anything gpunode cannot
+    take as NVIDIA's plugin would (an unknown key, a bad value, MPS sharing)."""
+    import yaml
+
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark is not None else ""
+        raise ConfigError(f"{path} is neither TOML nor YAML/JSON{where}: {err}", f"correct {path}") from None
+    if not isinstance(data, dict) or root is None:
+        raise ConfigError(f"{path}: NVIDIA's config is a mapping of version, flags, ...", f"correct {path}")
+    settings: list[Setting] = []
+    _walk(root, data, _SCHEMA, "", path=path, out=settings)
+    version = data.get("version") or VERSION  # NVIDIA's reader takes a missing version as v1
+    if version != VERSION:
+        raise ConfigError(
+            f"{path}: unknown version {version!r} of NVIDIA's device-plugin config",
+            f"gpunode reads version {VERSION}",
+        )
+    _check_mps(data, settings, path)
+    return settings
+
+
+def _walk(
+    node: Any, data: Any, schema: Mapping[str, Any], prefix: str, *, path: str, out: list[Setting]
+) -> None:
+    import yaml
+
+    if not isinstance(data, dict) or not isinstance(node, yaml.MappingNode):
+        raise ConfigError(
+            f"{path}, line {node.start_mark.line + 1}: {prefix.rstrip('.') or 'the file'} must be a mapping",
+            f"correct {path}",
+        )
+    for key_node, value_node in node.value:
+        key = str(key_node.value)
+        dotted = f"{prefix}{key}"
+        line = key_node.start_mark.line + 1
+        if key not in schema:
+            raise ConfigError(
+                f"{path}, line {line}: unknown key {dotted} in NVIDIA's device-plugin config",
+                f"remove or correct it (NVIDIA's plugin would ignore it silently); keys here: "
+                f"{', '.join(schema)}",
+            )
+        target = schema[key]
+        value = data[key]
+        if isinstance(target, dict):
+            if value is None:  # `sharing:` with nothing under it, as YAML allows
+                continue
+            _walk(value_node, value, target, f"{dotted}.", path=path, out=out)
+            continue
+        if dotted in _ENTRY_KEYS:
+            _check_entries(value_node, value, dotted, path)
+        if dotted == "flags.plugin.sharedDevicesAllocationPolicy":
+            if value not in _POLICIES:
+                raise ConfigError(
+                    f"{path}, line {line}: {dotted}: {value!r} is not distributed or packed",
+                    "use distributed (gpunode's placement spread) or packed",
+                )
+            value = _POLICIES[value]
+        if dotted in ("flags.mpsRoot", "flags.plugin.containerDriverRoot") and not (
+            isinstance(value, str) and (value == "" or value.startswith("/"))
+        ):
+            raise ConfigError(f"{path}, line {line}: {dotted}: {value!r} is not an absolute path")
+        if dotted.startswith("sharing.mps."):
+            out.append(Setting(dotted, line, None, value, "MPS"))
+            continue
+        out.append(Setting(dotted, line, target or None, value, NOTES.get(dotted, "")))
+
+
+def _check_entries(node: Any, value: Any, key: str, path: str) -> None:
+    """Lists of tables: each entry's keys, by line (the option's parser checks the values)."""
+    import yaml
+
+    if not isinstance(value, list) or not isinstance(node, yaml.SequenceNode):
+        raise ConfigError(f"{path}, line {node.start_mark.line + 1}: {key} must be a list", f"correct {path}")
+    allowed = _ENTRY_KEYS[key]
+    for n, (item_node, item) in enumerate(zip(node.value, value, strict=True)):
+        if not isinstance(item, dict) or not isinstance(item_node, yaml.MappingNode):
+            raise ConfigError(
+                f"{path}, line {item_node.start_mark.line + 1}: {key}[{n}] must be a mapping of "
+                f"{', '.join(allowed)}",
+                f"correct {path}",
+            )
+        for key_node, _ in item_node.value:
+            if key_node.value not in allowed:
+                raise ConfigError(
+                    f"{path}, line {key_node.start_mark.line + 1}: unknown key {key}[{n}].{key_node.value} "
+                    "in NVIDIA's device-plugin config",
+                    f"remove or correct it; an entry takes {', '.join(allowed)}",
+                )
+
+
+def _check_mps(data: Mapping[str, Any], settings: list[Setting], path: str) -> None:
+    """NVIDIA's plugin shares with MPS as soon as an MPS resource has more than one replica
+    (api/config/v1/sharing.go, SharingStrategy; MPS wins over time-slicing). gpunode checks the section
+    with time-slicing's rules, then refuses it: without the control daemons nothing would isolate clients."""
+    mps = (data.get("sharing") or {}).get("mps")
+    if mps is None:
+        return
+    from gpunode.plugin.config import _shared_resources
+
+    line = next((s.line for s in settings if s.key.startswith("sharing.mps")), 0)
+    entries = _shared_resources(mps.get("resources") or [], f"sharing.mps.resources ({path}, line {line})")
+    if any(e.replicas > 1 for e in entries):
+        raise ConfigError(
+            f"{path}, line {line}: sharing.mps: MPS sharing is not supported by gpunode yet (it does not "
+            "start MPS control daemons)",
+            "share with sharing.timeSlicing instead (the same resources and replicas, without MPS's memory "
+            "and compute limits), or keep NVIDIA's plugin on the nodes that need MPS",
+        )
+    settings[:] = [s for s in settings if not s.key.startswith("sharing.mps")]
+    settings.append(Setting("sharing.mps", line, None, None, NOTES["sharing.mps"]))
