@@ -407,6 +407,34 @@ def status(ctx: click.Context, status_file: str | None, as_json: bool) -> None:
         raise click.exceptions.Exit(int(ExitCode.UNHEALTHY))
 
 
+@app.command(
+    "import-config",
+    epilog=exit_codes(
+        "0    printed",
+        "4    the file is not NVIDIA's config, or the plugin would refuse it (the key and line named)",
+        "6    the file does not exist",
+    ),
+)
+@click.argument("nvidia_file", metavar="NVIDIA_FILE")
+@click.pass_context
+def import_config(ctx: click.Context, nvidia_file: str) -> None:
+    """Print NVIDIA's device-plugin config file (YAML or JSON, version v1) as the equivalent gpunode TOML,
+    each key with a comment naming the NVIDIA key it came from. `plugin run --config` also reads the NVIDIA
+    file as it is; this is for review, and for keeping gpunode's own file."""
+    import os
+
+    from gpunode.cli.state import state
+    from gpunode.errors import NotFound
+    from gpunode.plugin.import_config import render
+
+    host = state(ctx).host
+    nvidia_file = os.path.abspath(nvidia_file)  # a path given relative to where the command runs
+    text = host.read_text_if_exists(nvidia_file)
+    if text is None:
+        raise NotFound(f"{nvidia_file} does not exist", "give the path of NVIDIA's device-plugin config file")
+    click.echo(render(text, nvidia_file), nl=False)
+
+
 def _status_ok(current: Any) -> bool:
     """Registered, and running: the file's process alive and, when the file is the service's, the unit
     active (a file left by a service that died would still say ready)."""

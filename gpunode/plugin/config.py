@@ -508,6 +508,10 @@ def _toml_string(text: str) -> str:
     return '"' + "".join(out) + '"'
 
 
+def _toml_key(key: str) -> str:
+    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else _toml_string(key)
+
+
 def _toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -516,7 +520,7 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, str):
         return _toml_string(value)
     if isinstance(value, Mapping):  # an inline table: {name = "nvidia.com/gpu", replicas = 4}
-        return "{" + ", ".join(f"{_toml_string(k)} = {_toml_value(v)}" for k, v in value.items()) + "}"
+        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items()) + "}"
     return "[" + ", ".join(_toml_value(v) for v in value) + "]"
 
 

@@ -87,6 +87,17 @@ class Setting:
     note: str = ""
 
 
+def is_toml(text: str) -> bool:
+    """Whether text is TOML (gpunode's own config), read as config.read_config_file reads it."""
+    from gpunode.runtimes.edits import parse_toml_document
+
+    try:
+        parse_toml_document(text, "-")
+    except ConfigError:
+        return False
+    return True
+
+
 def is_nvidia_config(text: str) -> bool:
     """Whether text (already found not to be TOML) is NVIDIA's config: a YAML or JSON mapping with
     `version`, or with nothing but NVIDIA's top-level keys."""

@@ -247,6 +247,14 @@ def _validated_config(host: Host, config_file: str) -> str:
         raise NotFound(f"plugin config {config_file} does not exist", "give the path of a plugin TOML file")
     # The whole resolution, as the service will do it: unknown keys, bad values, impossible combinations.
     load_config(host, config_path=config_file, env={})
+    from gpunode.plugin.nvidia_config import is_toml
+
+    if not is_toml(text):
+        # NVIDIA's config (it loaded, so it is one): installed as the gpunode TOML it means, which is what
+        # /etc/gpunode/plugin.toml should hold and what an operator editing it later expects.
+        from gpunode.plugin.import_config import render
+
+        return render(text, config_file)
     return text
 
 
