@@ -40,9 +40,10 @@ the search enumerates only sets of units (and the few splits that tie on shape) 
 whenever that costs at most `SEARCH_LIMIT` (every 8-GPU case, replicas included). The remainder then
 decides among the tied sets: a table of every set's score over the units with free devices (2^units
 entries, O(1) each), then every subset of each distinct remainder; exact up to ~10 such units, beyond
-that only the free counts decide. Larger cases (dozens of MIG instances, say) use greedy builds from a
-few promising first picks, each improved by single-device moves until none improves the objective: the
-unit count and split come out optimal, the score close; the remainder plays no part there.
+that the sizes in order as long as their sets can be scored within the limit (16 GPUs: pairs). Larger
+cases (dozens of MIG instances, say) use greedy builds from a few promising first picks, each improved
+by single-device moves until none improves the objective: the unit count and split come out optimal,
+the score close; the remainder plays no part there.
 
 Odd requests never raise (an error fails the pod's admission); the answer is always must_include first
 (duplicates dropped, given order), then the chosen devices in `available` order:
@@ -514,8 +515,9 @@ def _most_usable(p: _Problem, tied: list[list[int]]) -> list[int]:
     whole GPUs stay whole). Spread compares the sets first, then the counts; packed the counts first.
     With whole GPUs the counts are the same for every candidate and only the sets count.
 
-    The sets cost 2^units (a table of every set's score) plus 2^free units per distinct remainder; when
-    that is over the limit (more than ~10 units with free devices) only the counts are compared.
+    The sets cost 2^units (a table of every set's score) plus 2^free units per distinct remainder. When
+    that is over the limit (more than ~10 units with free devices), the sizes are taken in order, each
+    by enumerating its sets, as long as the work fits the limit (on 16 GPUs: size 2, pairs).
     """
     if len(tied) == 1:
         return tied[0]
@@ -523,13 +525,14 @@ def _most_usable(p: _Problem, tied: list[list[int]]) -> list[int]:
     bit = {u: 1 << i for i, u in enumerate(free)}
     remainders = [sum(bit[u] for u in free if p.a[u] > x[u]) for x in tied]
     distinct = set(remainders)
-    cost = (1 << len(free)) * 2 + sum(1 << m.bit_count() for m in distinct)
+    sizes = next_sizes(len(free))
     sets: dict[int, tuple[int, ...]] = dict.fromkeys(distinct, ())
-    if len(distinct) > 1 and cost <= p.limit:
-        table = _set_scores(p, free)
-        sizes = next_sizes(len(free))
-        for m in distinct:
-            sets[m] = _best_by_size(table, m, sizes)
+    if len(distinct) > 1:
+        if (1 << len(free)) * 2 + sum(1 << m.bit_count() for m in distinct) <= p.limit:
+            table = _set_scores(p, free)
+            sets = {m: _best_by_size(table, m, sizes) for m in distinct}
+        else:
+            sets = _best_by_size_within(p, free, distinct, sizes)
 
     def key(i: int) -> tuple[tuple[int, ...], ...]:
         squares = sum((p.a[u] - tied[i][u]) ** 2 for u in free)
@@ -553,6 +556,26 @@ def _set_scores(p: _Problem, free: list[int]) -> list[int]:
         pair = p.s[free[low.bit_length() - 1]][free[low2.bit_length() - 1]]
         table[mask] = table[rest] + table[mask ^ low2] - table[rest ^ low2] + pair
     return table
+
+
+def _best_by_size_within(
+    p: _Problem, free: list[int], masks: set[int], sizes: list[int]
+) -> dict[int, tuple[int, ...]]:
+    """Like _best_by_size for each mask, for the sizes (in order) whose sets can all be scored within the
+    limit; the same sizes for every mask, so the tuples compare like the exact ones, shortened."""
+    units = {m: [free[i] for i in range(len(free)) if m >> i & 1] for m in masks}
+    out: dict[int, list[int]] = {m: [] for m in masks}
+    spent = 0
+    for k in sizes:
+        spent += sum(math.comb(len(us), k) for us in units.values()) * k * (k - 1) // 2
+        if spent > p.limit:
+            break
+        for m, us in units.items():
+            best = -1
+            for c in itertools.combinations(us, k):
+                best = max(best, sum(p.s[u][v] for u, v in itertools.combinations(c, 2)))
+            out[m].append(best)
+    return {m: tuple(v) for m, v in out.items()}
 
 
 def _best_by_size(table: list[int], mask: int, sizes: list[int]) -> tuple[int, ...]:

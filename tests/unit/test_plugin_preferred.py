@@ -5,6 +5,12 @@ docstring (links x 100 + PCIe closeness, same GPU 60, MIG instances by their par
 never through Topology, and compares choices by the documented objective:
 spread = (most units, most even split, best score); packed = (fewest units, most devices on the units of
 must_include, most uneven split, best score). Units are whole GPUs or MIG instances; replicas share one.
+
+Among choices with the best key, the remainder decides (what is left free of `available` less must_include
+and the choice): for each next-request size (2, 4, 8, ... then the others ascending, up to the number of
+units that had a free device) the best score of that many distinct units still holding a free device (-1
+when there are fewer), and the sum of squares of the free counts per unit; spread compares (sets, -squares),
+packed (squares, sets). The reference scores every remainder by enumerating every set of every size.
 """
 
 from __future__ import annotations
@@ -24,11 +30,12 @@ from gpunode.host import Host
 from gpunode.nvml import discover
 from gpunode.nvml.model import Gpu, GpuPair, Inventory, MigDevice, MigMode, TopologyLevel
 from gpunode.plugin.devices import PluginDevice, Sharing, build_resources
-from gpunode.plugin.preferred import Topology, preferred_allocation
+from gpunode.plugin.preferred import Topology, next_sizes, preferred_allocation
 
 L = TopologyLevel
 POINTS = {L.INTERNAL: 60, L.SINGLE: 50, L.MULTIPLE: 40, L.HOSTBRIDGE: 30, L.NODE: 20, L.SYSTEM: 10}
 Key = tuple[int, ...]
+Remainder = tuple[tuple[int, ...], tuple[int, ...]]
 
 # -- topologies, by hand --------------------------------------------------------------------------------
 
@@ -158,30 +165,68 @@ class Reference:
         return len(units), -squares, score
 
     def best(self, available: Sequence[str], must: Sequence[str], size: int, placement: str) -> Key:
-        """The best key over every choice of size - len(must) devices from the rest of `available`.
+        """The best key over every choice of size - len(must) devices from the rest of `available`."""
+        return self.best_with_remainder(available, must, size, placement, remainders=False)[0]
+
+    def best_with_remainder(
+        self,
+        available: Sequence[str],
+        must: Sequence[str],
+        size: int,
+        placement: str,
+        *,
+        remainders: bool = True,
+    ) -> tuple[Key, Remainder]:
+        """The best key over every choice of size - len(must) devices from the rest of `available`, and
+        the best remainder among the choices with that key (unless remainders=False).
 
         Unknown IDs are only filler: they are chosen (first ones first) only when the known devices are
         not enough, so they never compete with known ones for the spread."""
         others = [i for i in available if i not in must]
         known = [i for i in others if i in self.devices]
         need = size - len(must)
+        free = Counter(self.unit(i) for i in known)
         if need >= len(known):
             filler = [i for i in others if i not in self.devices][: need - len(known)]
-            return self.key([*must, *known, *filler], placement, must)
+            key = self.key([*must, *known, *filler], placement, must)
+            return key, self.remainder(free, Counter(self.unit(i) for i in known), placement)
         rest = [self.unit(i) for i in known]
         must_units = [self.unit(i) for i in must]
         number = {u: n for n, u in enumerate(dict.fromkeys(rest))}
         seen: set[tuple[int, ...]] = set()
-        keys = []
+        scored: list[tuple[Key, Counter[RefUnit]]] = []
         for combo in itertools.combinations(range(len(rest)), size - len(must)):
             # Replicas of one unit are interchangeable: score each multiset of units once.
             same = tuple(sorted(number[rest[i]] for i in combo))
             if same not in seen:
                 seen.add(same)
-                keys.append(
-                    self.key_of_units(must_units + [rest[i] for i in combo], set(must_units), placement)
-                )
-        return max(keys)
+                picked = [rest[i] for i in combo]
+                key = self.key_of_units(must_units + picked, set(must_units), placement)
+                scored.append((key, Counter(picked)))
+        top = max(key for key, _ in scored)
+        if not remainders:
+            return top, ((), ())
+        return top, max(self.remainder(free, taken, placement) for key, taken in scored if key == top)
+
+    def remainder(self, free: Counter[RefUnit], taken: Counter[RefUnit], placement: str) -> Remainder:
+        """How usable the node stays: see the module docstring."""
+        units = len(free)
+        sizes = sorted(
+            range(2, units + 1), key=lambda k: (bin(k).count("1") != 1, k)
+        )  # 2, 4, 8, then the rest
+        left = [u for u in free if free[u] > taken[u]]
+        sets = tuple(
+            max(
+                (
+                    sum(self.pair(u, v) for u, v in itertools.combinations(c, 2))
+                    for c in itertools.combinations(left, k)
+                ),
+                default=-1,
+            )
+            for k in sizes
+        )
+        squares = sum((free[u] - taken[u]) ** 2 for u in free)
+        return ((squares,), sets) if placement == "packed" else (sets, (-squares,))
 
 
 def check(
@@ -206,8 +251,22 @@ def check(
     rest = got[len(must) :]
     assert rest == [i for i in available if i in rest]  # then in `available` order
     ref = Reference(inventory, devices)
-    assert ref.key(got, placement, must) == ref.best(available, must, size, placement), (got, must, size)
+    if search_limit is not None:  # a small limit may skip the remainder's sets: only the key is exact
+        assert ref.key(got, placement, must) == ref.best(available, must, size, placement), (got, must, size)
+        return got
+    best_key, best_left = ref.best_with_remainder(available, must, size, placement)
+    assert ref.key(got, placement, must) == best_key, (got, must, size)
+    assert remainder_of(ref, available, must, got, placement) == best_left, (got, must, size)
     return got
+
+
+def remainder_of(
+    ref: Reference, available: Sequence[str], must: Sequence[str], got: Sequence[str], placement: str
+) -> Remainder:
+    """The remainder of an answer, by the reference's rule."""
+    free = Counter(ref.unit(i) for i in dict.fromkeys(available) if i not in must and i in ref.devices)
+    taken = Counter(ref.unit(i) for i in got if i not in must and i in ref.devices)
+    return ref.remainder(free, taken, placement)
 
 
 def must_sets(ids: Sequence[str]) -> list[tuple[str, ...]]:
@@ -638,3 +697,150 @@ def test_search_results_are_deterministic(a100: Setup) -> None:
     t, d, ids = a100
     first = [preferred_allocation(t, d, ids, [], k) for k in range(9)]
     assert first == [preferred_allocation(t, d, ids, [], k) for k in range(9)]
+
+
+# -- what the choice leaves free (fragmentation) --------------------------------------------------------
+
+
+def _best_set(ref: Reference, gpus: Sequence[int], k: int) -> int:
+    units = [RefUnit(g, None) for g in gpus]
+    return max(
+        sum(ref.pair(u, v) for u, v in itertools.combinations(c, 2)) for c in itertools.combinations(units, k)
+    )
+
+
+def test_cube_mesh_one_gpu_leaves_the_linked_quad_whole() -> None:
+    """The issue's example: DGX-1, GPU 7 in use, a 1-GPU pod. The lowest index (0) would break the fully
+    linked quad 0-3 while 4, 5 and 6 sit in the quad 7 already broke; 6 is the least linked of those."""
+    inv = dgx1_v100()
+    d = devices_of(inv)
+    t = Topology.from_inventory(inv)
+    ref = Reference(inv, d)
+    free = [i for i in d if i != "GPU-7"]
+    got = preferred_allocation(t, d, free, [], 1)
+    assert gpus_of(d, got) == [6]
+    # Why: after 6 the next 4-GPU pod still gets the quad, as good as any 4 GPUs of the node; after 0 not.
+    quad = _best_set(ref, range(8), 4)
+    assert _best_set(ref, [0, 1, 2, 3, 4, 5], 4) == quad > _best_set(ref, [1, 2, 3, 4, 5, 6], 4)
+    after = [i for i in free if i not in got]
+    assert gpus_of(d, preferred_allocation(t, d, after, [], 4)) == [0, 1, 2, 3]
+    # And of 4, 5, 6 (equal for 2-, 4-, 3- and 5-GPU pods) 6 costs the remaining GPUs least links.
+    assert sum(t.pair_score(6, g) for g in range(6)) < sum(t.pair_score(4, g) for g in (0, 1, 2, 3, 5, 6))
+
+
+def test_a_pair_request_leaves_the_other_socket_whole() -> None:
+    # DGX A100 with GPU 7 busy: every same-switch pair scores the same; (4, 5) leaves GPUs 0-3 as a quad.
+    inv = dgx_a100()
+    d = devices_of(inv)
+    got = preferred_allocation(Topology.from_inventory(inv), d, [i for i in d if i != "GPU-7"], [], 2)
+    assert gpus_of(d, got) == [4, 5]
+    # PCIe: three same-switch pairs; (4, 5) leaves socket 0's four GPUs (HOSTBRIDGE) over 6, 7 (NODE).
+    inv = pcie_8()
+    d = devices_of(inv)
+    assert gpus_of(d, preferred_allocation(Topology.from_inventory(inv), d, list(d), [], 2)) == [4, 5]
+
+
+@pytest.mark.parametrize("name", sorted(HAND_BUILT))
+def test_every_free_set_matches_the_exhaustive_reference(name: str) -> None:
+    """Every set of free GPUs, every request size, nothing forced: the best key, then the best remainder."""
+    inv = HAND_BUILT[name]()
+    d = devices_of(inv)
+    ids = list(d)
+    for r in range(1, len(ids) + 1):
+        for free in itertools.combinations(ids, r):
+            for size in range(1, r):
+                check(inv, d, free, [], size)
+    # packed differs from spread on whole GPUs only in how it is written down: a sample is enough.
+    for free in itertools.combinations(ids, len(ids) - 2):
+        for size in range(1, len(free)):
+            check(inv, d, free, [], size, placement="packed")
+
+
+@pytest.mark.parametrize("name", ["dgx1-v100", "pcie-8"])
+def test_every_free_state_of_four_gpus_by_two_replicas(name: str) -> None:
+    """Replicas: every number of free replicas per GPU (0, 1 or 2 of each of 4 GPUs), every size, both
+    placements, with and without a forced replica."""
+    full = HAND_BUILT[name]()
+    inv = Inventory(None, None, None, full.gpus[:4], tuple(p for p in full.pairs if p.b < 4))
+    d = devices_of(inv, replicas=2)
+    for state in itertools.product(range(3), repeat=4):
+        free = [f"GPU-{g}::{r}" for g in range(4) for r in range(state[g])]
+        for must in ([], ["GPU-3::1"] if state[3] < 2 else []):
+            for size in range(len(must) + 1, len(free) + len(must)):
+                for placement in ("spread", "packed"):
+                    check(inv, d, free, must, size, placement=placement)
+
+
+def test_replicas_spread_keeps_gpus_free_and_packed_fills_the_started_one() -> None:
+    inv = pairs_4()
+    d = devices_of(inv, replicas=4)
+    t = Topology.from_inventory(inv)
+    # GPU 0 has one replica left (three are used), GPU 2 three, GPUs 1 and 3 all four.
+    free = [i for i in d if i not in ("GPU-0::0", "GPU-0::1", "GPU-0::2", "GPU-2::0")]
+    # spread: not GPU 0's last (the next pods could spread over 3 GPUs only), and of the rest the GPU
+    # with the most free replicas, so the load stays even.
+    assert gpus_of(d, preferred_allocation(t, d, free, [], 1)) == [1]
+    # (0, 1) and (2, 3) are both NVLinked; (0, 1) would take GPU 0's last replica.
+    assert gpus_of(d, preferred_allocation(t, d, free, [], 2)) == [2, 3]
+    # packed: GPU 0's last one, so GPUs 1 and 3 stay whole.
+    assert gpus_of(d, preferred_allocation(t, d, free, [], 1, "packed")) == [0]
+    # Two on one GPU: GPU 2 (three free) rather than a whole GPU.
+    assert gpus_of(d, preferred_allocation(t, d, free, [], 2, "packed")) == [2, 2]
+
+
+def test_next_sizes_put_powers_of_two_first() -> None:
+    assert next_sizes(8) == [2, 4, 8, 3, 5, 6, 7]
+    assert next_sizes(5) == [2, 4, 3, 5]
+    assert next_sizes(1) == next_sizes(0) == []
+
+
+def test_many_free_gpus_keep_the_cost_bounded() -> None:
+    """16 GPUs: a table of every set (2^16) is over the limit, so the remainder is judged by the sizes whose
+    sets fit the limit, in order: here pairs. The best key still comes first."""
+    inv = make_inventory([0] * 16, lambda a, b: (L.HOSTBRIDGE, 2 if (a, b) == (0, 1) else 0))
+    d = devices_of(inv)
+    t = Topology.from_inventory(inv)
+    ref = Reference(inv, d)
+    ids = list(d)
+    # All 16 equal for one GPU; 0 or 1 would break the only NVLinked pair, so the first other one.
+    assert gpus_of(d, preferred_allocation(t, d, ids, [], 1)) == [2]
+    for size in (1, 2, 3, 5):
+        got = preferred_allocation(t, d, ids, [], size)
+        assert ref.key(got, "spread") == ref.best(ids, [], size, "spread")
+    # The cost stays bounded when the search itself is exact but the remainder's sets are not affordable
+    # at all: then the free counts decide (all equal for whole GPUs: the first in unit order).
+    assert gpus_of(d, preferred_allocation(t, d, ids, [], 1, search_limit=100)) == [0]
+
+
+@st.composite
+def eight_gpu_nodes(
+    draw: st.DrawFn,
+) -> tuple[Inventory, dict[str, PluginDevice], list[str], list[str], int, str]:
+    """Random 6-8 GPU topologies, partly used, whole GPUs or two replicas each."""
+    n = draw(st.integers(6, 8))
+    table = {
+        (a, b): (
+            draw(st.sampled_from([L.SINGLE, L.HOSTBRIDGE, L.SYSTEM])),
+            draw(st.sampled_from([0, 0, 1, 2])),
+        )
+        for a, b in itertools.combinations(range(n), 2)
+    }
+    inv = make_inventory([0] * n, lambda a, b: table[(a, b)])
+    replicas = draw(st.sampled_from([1, 1, 2]))
+    d = devices_of(inv, replicas=replicas)
+    ids = list(d)
+    free = [i for i in ids if draw(st.integers(0, 3)) > 0]
+    must = draw(st.lists(st.sampled_from(ids), max_size=1))
+    size = draw(st.integers(len(must), min(len(set(free) | set(must)), len(must) + 4)))
+    return inv, d, free, must, size, draw(st.sampled_from(["spread", "packed"]))
+
+
+@settings(derandomize=True, deadline=None, max_examples=150)
+@given(eight_gpu_nodes())
+def test_random_nodes_best_score_then_best_remainder(
+    case: tuple[Inventory, dict[str, PluginDevice], list[str], list[str], int, str],
+) -> None:
+    """The old guarantee (no candidate beats the answer on the objective) and the new one (no candidate
+    equal on it leaves a better remainder), against the exhaustive reference."""
+    inv, d, free, must, size, placement = case
+    check(inv, d, free, must, size, placement=placement)
