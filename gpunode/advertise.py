@@ -151,11 +151,21 @@ def plugin_owner(host: Host, resource: str) -> str | None:
 
 
 def plugin_sharing(host: Host) -> Sharing:
-    """The installed plugin's time-slicing settings (its config file), or none."""
+    """The installed plugin's time-slicing settings (its config file, gpunode's TOML or NVIDIA's), or none.
+
+    With per-resource sharing (time-slicing.resources) the replicas are those of the whole-GPU resource
+    (resource-name), as GFD labels them, else of the first shared resource; a per-resource rename counts
+    as a rename (the product label then needs no -SHARED)."""
     config = _plugin_config(host)
     if config is None:
         return Sharing()
-    return Sharing(replicas=config.replicas, rename_by_default=config.rename_by_default)
+    entries = [e for e in config.shared_resources if e.replicas > 1]
+    if not entries:
+        return Sharing(replicas=config.replicas, rename_by_default=config.rename_by_default)
+    domain = config.resource_name.split("/", 1)[0]
+    full = [e for e in entries if (e.name if "/" in e.name else f"{domain}/{e.name}") == config.resource_name]
+    entry = (full or entries)[0]
+    return Sharing(replicas=entry.replicas, rename_by_default=config.rename_by_default or bool(entry.rename))
 
 
 def plugin_resource(host: Host) -> str:

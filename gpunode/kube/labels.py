@@ -23,10 +23,11 @@ MIB = 1024 * 1024
 
 @dataclass(frozen=True)
 class Sharing:
-    """The device plugin's time-slicing settings (gpunode plugin config: replicas, rename-by-default)."""
+    """The device plugin's sharing settings (gpunode plugin config: replicas, rename-by-default)."""
 
     replicas: int = 1
     rename_by_default: bool = False
+    mps: bool = False  # shared through MPS rather than time-slicing (GFD: sharing-strategy mps)
 
 
 def sanitise(value: str) -> str:
@@ -79,7 +80,11 @@ def gpu_labels(inventory: Inventory, sharing: Sharing = Sharing()) -> dict[str, 
         if first.mig_capable is not None:
             labels["mig.capable"] = "true" if first.mig_capable else "false"
         labels["gpu.replicas"] = str(sharing.replicas)
-        labels["gpu.sharing-strategy"] = "time-slicing" if shared else "none"
+        # GFD's values: none, time-slicing or mps; mps.capable tells NVIDIA's MPS control-daemon DaemonSet
+        # (its node selector) whether the node shares through MPS.
+        strategy = ("mps" if sharing.mps else "time-slicing") if shared else "none"
+        labels["gpu.sharing-strategy"] = strategy
+        labels["mps.capable"] = "true" if strategy == "mps" else "false"
         # The driver's and CUDA's versions only where there is a GPU to run on (the docstring's promise:
         # a node without GPUs carries nothing a GPU workload could select it by).
         if inventory.driver_version:

@@ -170,6 +170,7 @@ def test_facts_the_driver_did_not_tell_are_left_out() -> None:
         "nvidia.com/gpu.count": "1",
         "nvidia.com/gpu.replicas": "1",
         "nvidia.com/gpu.sharing-strategy": "none",
+        "nvidia.com/mps.capable": "false",
         "nvidia.com/cuda.driver-version.major": "550",
         "nvidia.com/cuda.driver-version.minor": "54",
         "nvidia.com/cuda.driver-version.full": "550.54",
@@ -303,3 +304,17 @@ def test_removal_with_the_labels_already_gone_drops_the_record() -> None:
 def test_removal_on_a_node_gpunode_never_labelled_is_none() -> None:
     # Even with GFD's own labels on it: without gpunode's record, none of them is gpunode's.
     assert removal_patch({**OTHERS, **DGX_LABELS}, {"other": "x"}) is None
+
+
+def test_sharing_strategy_and_mps_capable_as_gfd_sets_them() -> None:
+    # GFD: sharing-strategy none | time-slicing | mps, and mps.capable true only for MPS sharing (the MPS
+    # control-daemon DaemonSet of NVIDIA's chart selects nodes by it).
+    assert gpu_labels(DGX)["nvidia.com/mps.capable"] == "false"
+    sliced = gpu_labels(DGX, Sharing(replicas=4))
+    assert (sliced["nvidia.com/gpu.sharing-strategy"], sliced["nvidia.com/mps.capable"]) == (
+        "time-slicing",
+        "false",
+    )
+    mps = gpu_labels(DGX, Sharing(replicas=4, mps=True))
+    assert (mps["nvidia.com/gpu.sharing-strategy"], mps["nvidia.com/mps.capable"]) == ("mps", "true")
+    assert mps["nvidia.com/gpu.replicas"] == "4"
