@@ -1,0 +1,383 @@
+"""NVIDIA's device-plugin config file (tests/fixtures/nvidia-plugin): read as it is, keys refused by name and
+line, precedence, what each setting does to the served resources and Allocate, and import-config."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from gpunode.cli.main import main
+from gpunode.errors import ConfigError, ExitCode
+from gpunode.host import Host
+from gpunode.plugin.allocate import AllocateSettings, DeviceNodes, allocate, read_device_nodes
+from gpunode.plugin.config import PluginConfig, load_config
+from gpunode.plugin.devices import (
+    DeviceRegistry,
+    NamedResource,
+    Resource,
+    SharedResource,
+    Sharing,
+    build_resources,
+)
+from gpunode.plugin.import_config import render
+from gpunode.plugin.simulate import simulated_inventory
+from tests import tomlread as tomllib
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "nvidia-plugin"
+LOADABLE = sorted(
+    p.name
+    for p in FIXTURES.iterdir()
+    if p.suffix in (".yaml", ".json") and p.stem not in ("mps", "unknown-key")
+)
+
+
+MPS_ONE = "version: v1\nsharing:\n  mps:\n    resources:\n    - name: gpu\n      replicas: 1\n"
+
+
+def nvidia(tmp_path: Path, text: str, name: str = "config.yaml") -> tuple[Host, str]:
+    (tmp_path / name).write_text(text)
+    return Host(root=tmp_path, env={}), f"/{name}"
+
+
+def fixture(tmp_path: Path, name: str) -> tuple[Host, str]:
+    return nvidia(tmp_path, (FIXTURES / name).read_text(), name)
+
+
+def load(tmp_path: Path, name: str, **kwargs: object) -> PluginConfig:
+    host, path = fixture(tmp_path, name)
+    return load_config(host, config_path=path, env={}, **kwargs)  # type: ignore[arg-type]
+
+
+def served(config: PluginConfig, profile: str) -> dict[str, tuple[int, int]]:
+    """resource name -> (devices, replicas per device), as the plugin would serve them."""
+    resources = build_resources(
+        simulated_inventory(profile),
+        resource_name=config.resource_name,
+        mig_strategy=config.mig_strategy,
+        device_id_strategy=config.device_id_strategy,
+        sharing=Sharing(config.replicas, config.rename_by_default, config.shared_resources),
+        gpu_names=config.gpu_resources,
+        mig_names=config.mig_resources,
+    )
+    return {r.name: (len(r.devices), r.replicas) for r in resources}
+
+
+# -- the fixtures, as NVIDIA documents them -------------------------------------------------------------
+
+
+def test_flags_file_maps_onto_gpunode_options(tmp_path: Path) -> None:
+    config = load(tmp_path, "flags.yaml")
+    assert config == PluginConfig()  # the README's file spells out NVIDIA's defaults, which are gpunode's
+    assert config.origins["mig_strategy"] == "file /flags.yaml (flags.migStrategy)"
+    assert config.origins["device_id_strategy"] == "file /flags.yaml (flags.plugin.deviceIDStrategy)"
+
+
+def test_time_slicing_makes_replicas_of_every_gpu(tmp_path: Path) -> None:
+    config = load(tmp_path, "time-slicing.yaml")
+    assert config.shared_resources == (SharedResource("nvidia.com/gpu", 10),)
+    assert served(config, "pcie-4") == {"nvidia.com/gpu": (40, 10)}
+
+
+def test_rename_by_default_and_fail_requests_greater_than_one(tmp_path: Path) -> None:
+    config = load(tmp_path, "time-slicing-rename.yaml")
+    assert config.rename_by_default and config.fail_requests_greater_than_one
+    assert served(config, "pcie-4") == {"nvidia.com/gpu.shared": (40, 10)}
+
+
+def test_json_with_per_resource_rename_and_devices(tmp_path: Path) -> None:
+    # NVIDIA's plugin parses rename and devices, then disables them; here they work: GPUs 0 and 1 are
+    # shared as nvidia.com/shared-gpu, GPUs 2 and 3 stay whole under nvidia.com/gpu.
+    config = load(tmp_path, "time-slicing-devices.json")
+    assert config.shared_resources == (SharedResource("nvidia.com/gpu", 4, "shared-gpu", ("0", "1")),)
+    assert config.device_list_strategy == ("envvar", "volume-mounts")
+    assert config.placement == "packed"  # sharedDevicesAllocationPolicy packed
+    assert served(config, "pcie-4") == {"nvidia.com/gpu": (2, 1), "nvidia.com/shared-gpu": (8, 4)}
+    inventory = simulated_inventory("pcie-4")
+    [_, shared] = build_resources(inventory, sharing=Sharing(resources=config.shared_resources))
+    assert {d.gpu_index for d in shared.devices} == {0, 1}
+
+
+def test_mig_mixed_shares_each_profile_its_own_way(tmp_path: Path) -> None:
+    config = load(tmp_path, "mig-mixed-sharing.yaml")
+    # The mig profile: GPU 0 in MIG mode (two 1g.5gb, one 2g.10gb), GPU 1 whole.
+    assert served(config, "mig") == {
+        "nvidia.com/mig-1g.5gb": (4, 2),
+        "nvidia.com/mig-2g.10gb": (3, 3),
+        "nvidia.com/gpu": (2, 2),
+    }
+
+
+def test_mig_single_needs_every_gpu_in_mig_mode(tmp_path: Path) -> None:
+    config = load(tmp_path, "mig-single.yaml")
+    assert config.mig_strategy == "single"
+    assert served(config, "pcie-4") == {"nvidia.com/gpu": (4, 1)}  # no MIG at all: the whole GPUs
+    with pytest.raises(ConfigError, match="GPU 1 is not"):
+        served(config, "mig")
+
+
+def test_per_model_and_per_profile_resource_names(tmp_path: Path) -> None:
+    config = load(tmp_path, "per-model.yaml")
+    assert config.gpu_resources == (NamedResource("*A100*", "a100"), NamedResource("*", "gpu"))
+    assert served(config, "mig") == {
+        "nvidia.com/mig-small": (4, 2),  # the two 1g.5gb instances, 2 replicas each
+        "nvidia.com/mig-large": (1, 1),
+        "nvidia.com/a100": (1, 1),  # GPU 1, not in MIG mode
+    }
+    # A node with two models: each its own resource; the first matching pattern wins.
+    inventory = simulated_inventory("pcie-4")
+    gpus = list(inventory.gpus)
+    gpus[3] = dataclasses.replace(gpus[3], name="NVIDIA A100-SXM4-80GB")
+    resources = build_resources(
+        dataclasses.replace(inventory, gpus=tuple(gpus)), gpu_names=config.gpu_resources
+    )
+    assert {r.name: [d.gpu_index for d in r.devices] for r in resources} == {
+        "nvidia.com/gpu": [0, 1, 2],
+        "nvidia.com/a100": [3],
+    }
+
+
+def test_a_gpu_no_pattern_matches_is_not_served(tmp_path: Path) -> None:
+    # NVIDIA's rule: with resources.gpus set, a GPU matches one of them or is not advertised.
+    names = (NamedResource("A100", "a100"),)
+    assert build_resources(simulated_inventory("pcie-4"), gpu_names=names) == ()
+
+
+def test_extras_reach_allocate(tmp_path: Path) -> None:
+    config = load(tmp_path, "extras.yaml")
+    assert (config.gds_enabled, config.mofed_enabled, config.gdrcopy_enabled) == (True, True, True)
+    assert (config.imex_channel_ids, config.imex_required) == ((0,), False)
+
+
+# -- what gpunode refuses, and how it says so -----------------------------------------------------------
+
+
+def test_mps_is_parsed_and_refused_clearly(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as err:
+        load(tmp_path, "mps.yaml")
+    assert "sharing.mps: MPS sharing is not supported by gpunode yet" in err.value.message
+    assert "line 4" in err.value.message and "sharing.timeSlicing" in (err.value.fix or "")
+
+
+def test_an_mps_section_that_shares_nothing_is_accepted(tmp_path: Path) -> None:
+    host, path = nvidia(tmp_path, MPS_ONE)
+    assert load_config(host, config_path=path, env={}) == PluginConfig()
+
+
+def test_mps_entries_are_checked_like_time_slicing_ones(tmp_path: Path) -> None:
+    host, path = nvidia(tmp_path, MPS_ONE.replace("replicas: 1", "replicas: 0"))
+    with pytest.raises(ConfigError, match=r"sharing\.mps\.resources.*replicas.*at least 1"):
+        load_config(host, config_path=path, env={})
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "line"),
+    [
+        ("version: v1\nflag:\n  migStrategy: none\n", "flag", 2),
+        ("version: v1\nflags:\n  migStrategy: none\n  migstrategy: mixed\n", "flags.migstrategy", 4),
+        (
+            "version: v1\nflags:\n  plugin:\n    deviceListStrategys: envvar\n",
+            "flags.plugin.deviceListStrategys",
+            4,
+        ),
+        ("version: v1\nflags:\n  gfd:\n    oneshot: true\n", "flags.gfd", 3),
+        ("version: v1\nsharing:\n  timeslicing: {}\n", "sharing.timeslicing", 3),
+        ("version: v1\nimex:\n  channelIds: [0]\n", "imex.channelIds", 3),
+        ("version: v1\nresources:\n  gpus:\n  - pattern: '*'\n    nam: gpu\n", "resources.gpus[0].nam", 5),
+    ],
+)
+def test_unknown_keys_are_refused_with_key_and_line(tmp_path: Path, text: str, key: str, line: int) -> None:
+    host, path = nvidia(tmp_path, text)
+    with pytest.raises(ConfigError) as err:
+        load_config(host, config_path=path, env={})
+    assert f"/config.yaml, line {line}: unknown key {key} " in err.value.message
+    assert "NVIDIA's plugin would ignore it silently" in (err.value.fix or "") or "entry takes" in (
+        err.value.fix or ""
+    )
+
+
+def test_the_fixture_typo_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(
+        ConfigError, match=r"line 6: unknown key sharing\.timeSlicing\.resources\[0\]\.replica "
+    ):
+        load(tmp_path, "unknown-key.yaml")
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ("version: v2\n", "unknown version 'v2'"),
+        ("version: v1\nflags:\n  migStrategy: half\n", r"flags\.migStrategy \(/config\.yaml, line 3\).*half"),
+        (
+            "version: v1\nflags:\n  plugin:\n    sharedDevicesAllocationPolicy: random\n",
+            "distributed or packed",
+        ),
+        ("version: v1\nflags:\n  nvidiaDriverRoot: run/nvidia\n", "not an absolute path"),
+        ("version: v1\nflags:\n  mpsRoot: relative\n", r"flags\.mpsRoot.*not an absolute path"),
+        ("version: v1\nimex:\n  channelIDs: [1]\n", r"must be \[\] or \[0\]"),
+        ("version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - name: gpu\n", "replicas missing"),
+        (
+            "version: v1\nsharing:\n  timeSlicing:\n    resources: [{name: a, replicas: 2, devices: x}]\n",
+            "not 'all', a count",
+        ),
+        ("version: v1\nflags: [1, 2]\n", "flags must be a mapping"),
+    ],
+)
+def test_bad_values_name_the_key(tmp_path: Path, text: str, problem: str) -> None:
+    host, path = nvidia(tmp_path, text)
+    with pytest.raises(ConfigError, match=problem):
+        load_config(host, config_path=path, env={})
+
+
+def test_toml_that_is_broken_is_still_a_toml_error(tmp_path: Path) -> None:
+    host, path = nvidia(tmp_path, 'resource-name = "x\n', "plugin.toml")
+    with pytest.raises(ConfigError, match="is not valid TOML"):
+        load_config(host, config_path=path, env={})
+
+
+# -- precedence: flag > environment > NVIDIA's file -----------------------------------------------------
+
+
+def test_flags_and_environment_win_over_the_nvidia_file(tmp_path: Path) -> None:
+    host, path = nvidia(
+        tmp_path, "version: v1\nflags:\n  migStrategy: single\n  plugin:\n    deviceIDStrategy: index\n"
+    )
+    config = load_config(
+        host,
+        config_path=path,
+        env={"GPUNODE_MIG_STRATEGY": "mixed", "GPUNODE_DEVICE_ID_STRATEGY": "uuid"},
+        flags={"device_id_strategy": "index"},
+    )
+    assert config.mig_strategy == "mixed" and config.origins["mig_strategy"] == "env GPUNODE_MIG_STRATEGY"
+    assert config.device_id_strategy == "index"
+    assert config.origins["device_id_strategy"] == "flag --device-id-strategy"
+
+
+def test_per_resource_entries_from_the_environment_as_json(tmp_path: Path) -> None:
+    host, path = fixture(tmp_path, "time-slicing.yaml")
+    env = {"GPUNODE_TIME_SLICING_RESOURCES": '[{"name": "nvidia.com/gpu", "replicas": 2, "devices": 1}]'}
+    config = load_config(host, config_path=path, env=env)
+    assert config.shared_resources == (SharedResource("nvidia.com/gpu", 2, devices=1),)
+    # Without a rename, the first GPU's 2 replicas and the 3 other GPUs are one resource (NVIDIA's rule).
+    assert served(config, "pcie-4") == {"nvidia.com/gpu": (5, 2)}
+
+
+# -- Allocate: GDS, MOFED, GDRCopy, IMEX, the CDI annotation prefix -------------------------------------
+
+
+def gpu_resource() -> Resource:
+    [resource] = build_resources(simulated_inventory("pcie-4"))
+    return resource
+
+
+def answer(settings: AllocateSettings) -> tuple[dict[str, str], list[tuple[str, str, bool]], list[str]]:
+    resource = gpu_resource()
+    registry = DeviceRegistry([resource])
+    [container] = allocate(resource, [[resource.devices[1].id]], registry.health_of, settings)
+    return container.envs, list(container.mounts), [p for p, _, _ in container.devices]
+
+
+def test_gds_mofed_gdrcopy_environment_whatever_the_strategy() -> None:
+    extra = {"NVIDIA_GDS": "enabled", "NVIDIA_MOFED": "enabled", "NVIDIA_GDRCOPY": "enabled"}
+    for strategies in (("envvar",), ("cdi-cri",)):
+        envs, _, _ = answer(AllocateSettings(device_list_strategy=strategies, extra_envs=extra))
+        assert {k: envs[k] for k in extra} == extra
+
+
+def test_imex_channels_as_nvidia_passes_them() -> None:
+    nodes = DeviceNodes(driver_root="/run/nvidia/driver", imex_channels=("0",))
+    settings = AllocateSettings(device_list_strategy=("envvar",), pass_device_specs=True, nodes=nodes)
+    envs, _, devices = answer(settings)
+    assert envs["NVIDIA_IMEX_CHANNELS"] == "0"
+    assert "/dev/nvidia-caps-imex-channels/channel0" in devices
+    _, mounts, _ = answer(AllocateSettings(device_list_strategy=("volume-mounts",), nodes=nodes))
+    assert ("/var/run/nvidia-container-devices/imex/0", "/dev/null", True) in mounts
+    envs, _, devices = answer(AllocateSettings(device_list_strategy=("envvar",)))
+    assert "NVIDIA_IMEX_CHANNELS" not in envs and not devices
+
+
+def test_cdi_annotation_prefix() -> None:
+    resource = gpu_resource()
+    registry = DeviceRegistry([resource])
+    settings = AllocateSettings(
+        device_list_strategy=("cdi-annotations",), annotation_prefix="cdi.example.com/"
+    )
+    [container] = allocate(resource, [[resource.devices[0].id]], registry.health_of, settings)
+    [(key, value)] = container.annotations.items()
+    assert key.startswith("cdi.example.com/gpunode_") and value == f"nvidia.com/gpu={resource.devices[0].id}"
+
+
+def test_imex_channel_found_skipped_or_required(tmp_path: Path) -> None:
+    host = Host(root=tmp_path, env={})
+    resources = [gpu_resource()]
+    assert read_device_nodes(host, "/", resources, imex_channel_ids=[0]).imex_channels == ()
+    with pytest.raises(ConfigError, match=r"channel0 does not exist.*imex\.required"):
+        read_device_nodes(host, "/", resources, imex_channel_ids=[0], imex_required=True)
+    channel = tmp_path / "dev/nvidia-caps-imex-channels/channel0"
+    channel.parent.mkdir(parents=True)
+    channel.write_text("")  # a plain file is not the channel's device node
+    assert read_device_nodes(host, "/", resources, imex_channel_ids=[0]).imex_channels == ()
+    channel.unlink()
+    try:
+        os.mknod(channel, stat.S_IFCHR | 0o600, os.makedev(1, 3))
+    except PermissionError:
+        pytest.fail("creating a character device needs CAP_MKNOD; the test machine has it")
+    nodes = read_device_nodes(host, "/", resources, imex_channel_ids=[0], imex_required=True)
+    assert nodes.imex_channels == ("0",)
+
+
+# -- import-config ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", LOADABLE)
+def test_import_config_round_trip(tmp_path: Path, name: str) -> None:
+    host, path = fixture(tmp_path, name)
+    text = render((FIXTURES / name).read_text(), path)
+    tomllib.loads(text)  # valid TOML
+    (tmp_path / "gpunode.toml").write_text(text)
+    assert load_config(host, config_path="/gpunode.toml", env={}) == load_config(
+        host, config_path=path, env={}
+    )
+    # One comment per translated key: every NVIDIA key that set something is named.
+    for line in text.splitlines():
+        if " = " in line:
+            assert "  # from NVIDIA's " in line and "(line " in line
+
+
+def test_import_config_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    host, path = fixture(tmp_path, "time-slicing-rename.yaml")
+    assert main(["plugin", "import-config", path], host=host) == 0
+    out = capsys.readouterr().out
+    assert "rename-by-default = true  # from NVIDIA's sharing.timeSlicing.renameByDefault (line 4)" in out
+    assert tomllib.loads(out)["time-slicing"]["resources"] == [{"name": "nvidia.com/gpu", "replicas": 10}]
+
+    assert main(["plugin", "import-config", "/missing.yaml"], host=host) == ExitCode.NOT_FOUND
+    (tmp_path / "gpunode.toml").write_text('mig-strategy = "mixed"\n')
+    assert main(["plugin", "import-config", "/gpunode.toml"], host=host) == ExitCode.CONFIG
+    assert "is not NVIDIA's device-plugin config" in capsys.readouterr().err
+    host, path = fixture(tmp_path, "mps.yaml")
+    assert main(["plugin", "import-config", path], host=host) == ExitCode.CONFIG
+
+
+def test_install_turns_the_nvidia_file_into_gpunode_toml(tmp_path: Path) -> None:
+    from gpunode.systemd.service import CONFIG_PATH, plan_install
+
+    host, path = fixture(tmp_path, "time-slicing.yaml")
+    plan = plan_install(host, config_file=path, start=False, executable="/usr/local/bin/gpunode")
+    [config] = [f for f in plan.files if f.path == CONFIG_PATH]
+    assert tomllib.loads(config.content)["time-slicing"]["resources"][0]["replicas"] == 10
+
+
+def test_advertise_reads_sharing_from_an_installed_nvidia_file(tmp_path: Path) -> None:
+    from gpunode.advertise import plugin_sharing
+    from gpunode.kube.labels import Sharing as LabelSharing
+
+    target = tmp_path / "etc/gpunode/plugin.toml"
+    target.parent.mkdir(parents=True)
+    target.write_text((FIXTURES / "time-slicing-rename.yaml").read_text())
+    assert plugin_sharing(Host(root=tmp_path, env={})) == LabelSharing(replicas=10, rename_by_default=True)
+    target.write_text((FIXTURES / "time-slicing-devices.json").read_text())
+    assert plugin_sharing(Host(root=tmp_path, env={})) == LabelSharing(replicas=4, rename_by_default=True)
