@@ -61,6 +61,7 @@ Odd requests never raise (an error fails the pod's admission); the answer is alw
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import math
@@ -522,39 +523,47 @@ def _most_usable(p: _Problem, tied: list[list[int]]) -> list[int]:
     if len(tied) == 1:
         return tied[0]
     free = [u for u in range(p.n) if p.a[u] > 0]
-    bit = {u: 1 << i for i, u in enumerate(free)}
-    remainders = [sum(bit[u] for u in free if p.a[u] > x[u]) for x in tied]
+    remainders: list[int] = []  # bit i: free[i] still has a free device
+    squares: list[int] = []  # of the free counts per unit
+    for x in tied:
+        mask = total = 0
+        for i, u in enumerate(free):
+            left = p.a[u] - x[u]
+            if left:
+                mask |= 1 << i
+                total += left * left
+        remainders.append(mask)
+        squares.append(total)
     distinct = set(remainders)
     sizes = next_sizes(len(free))
     sets: dict[int, tuple[int, ...]] = dict.fromkeys(distinct, ())
     if len(distinct) > 1:
         if (1 << len(free)) * 2 + sum(1 << m.bit_count() for m in distinct) <= p.limit:
             table = _set_scores(p, free)
-            sets = {m: _best_by_size(table, m, sizes) for m in distinct}
+            ranked = _ranked_sets(table, len(free), sizes)
+            sets = {m: _best_by_size(table, ranked, m) for m in distinct}
         else:
             sets = _best_by_size_within(p, free, distinct, sizes)
 
     def key(i: int) -> tuple[tuple[int, ...], ...]:
-        squares = sum((p.a[u] - tied[i][u]) ** 2 for u in free)
         sets_left = sets[remainders[i]]
-        return (sets_left, (-squares,)) if p.spread else ((squares,), sets_left)
+        return (sets_left, (-squares[i],)) if p.spread else ((squares[i],), sets_left)
 
     return tied[max(range(len(tied)), key=key)]  # max() keeps the first of equals
 
 
 def _set_scores(p: _Problem, free: list[int]) -> list[int]:
     """The score of every set of the units in `free`, indexed by bitmask (bit i: free[i])."""
-    table = [0] * (1 << len(free))
-    for mask in range(3, len(table)):
-        low = mask & -mask
-        rest = mask ^ low
-        if not rest:
-            continue
-        low2 = rest & -rest
-        # Pairs of the set = pairs without the lowest unit + pairs without the second lowest - pairs
-        # without either (counted twice) + the pair of those two: O(1) per set.
-        pair = p.s[free[low.bit_length() - 1]][free[low2.bit_length() - 1]]
-        table[mask] = table[rest] + table[mask ^ low2] - table[rest ^ low2] + pair
+    table = [0]
+    for i, u in enumerate(free):
+        # The sets holding unit i are the sets of the units before it plus i: their score plus i's pairs
+        # with them. Built by doubling in list comprehensions, ~30x faster than a loop per set.
+        row = p.s[u]
+        cross = [0]
+        for j in range(i):
+            w = row[free[j]]
+            cross += [c + w for c in cross]
+        table += [t + c for t, c in zip(table, cross, strict=True)]
     return table
 
 
@@ -578,16 +587,37 @@ def _best_by_size_within(
     return {m: tuple(v) for m, v in out.items()}
 
 
-def _best_by_size(table: list[int], mask: int, sizes: list[int]) -> tuple[int, ...]:
-    """For each size, the best score of a set of that many units within `mask`; -1 if mask is smaller."""
-    best = [-1] * (mask.bit_count() + 1)
-    sub = mask
-    while sub:
-        c = sub.bit_count()
-        if table[sub] > best[c]:  # noqa: PLR1730  (the hot loop: a compare costs less than max())
-            best[c] = table[sub]
-        sub = (sub - 1) & mask
-    return tuple(best[k] if k < len(best) else -1 for k in sizes)
+@functools.cache
+def _masks_by_count(units: int) -> tuple[tuple[int, ...], ...]:
+    """Every bitmask of `units` bits, grouped by how many bits are set, ascending (fixed per size)."""
+    groups: list[list[int]] = [[] for _ in range(units + 1)]
+    for mask in range(1 << units):
+        groups[mask.bit_count()].append(mask)
+    return tuple(map(tuple, groups))
+
+
+def _ranked_sets(table: list[int], units: int, sizes: list[int]) -> list[list[int]]:
+    """For each of the sizes, every set of that many units as a bitmask, best score first (then the
+    lowest mask: sorted() is stable)."""
+    groups = _masks_by_count(units)
+    return [sorted(groups[k], key=table.__getitem__, reverse=True) for k in sizes]
+
+
+def _best_by_size(table: list[int], ranked: list[list[int]], mask: int) -> tuple[int, ...]:
+    """For each size, the best score of a set of that many units within `mask`; -1 if mask is smaller.
+
+    The first ranked set inside the mask: a remainder lacks only the few units just taken, so it is
+    usually among the first few (at worst every set of the size is looked at once)."""
+    outside = ~mask
+    out = []
+    for sets in ranked:
+        for m in sets:
+            if not m & outside:
+                out.append(table[m])
+                break
+        else:
+            out.append(-1)
+    return tuple(out)
 
 
 # -- heuristic --------------------------------------------------------------------------------------
