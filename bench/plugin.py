@@ -562,47 +562,94 @@ def bench_xid(counts: Counts) -> None:
 # -- 5. GetPreferredAllocation ----------------------------------------------------------------------------
 
 
-def bench_preferred(counts: Counts) -> None:
+def _preferred_at(rev: str) -> Any:
+    """gpunode/plugin/preferred.py as of git revision `rev`, imported under another name (for A/B)."""
+    import importlib.util
+
+    source = subprocess.run(
+        ["git", "-C", str(REPO), "show", f"{rev}:gpunode/plugin/preferred.py"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    name = "preferred_at_" + "".join(c if c.isalnum() else "_" for c in rev)
+    spec = importlib.util.spec_from_loader(name, loader=None)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the class is created
+    exec(compile(source, f"{rev}:gpunode/plugin/preferred.py", "exec"), module.__dict__)  # noqa: S102
+    return module
+
+
+def bench_preferred(counts: Counts, baseline: str | None = None) -> None:
     from gpunode.plugin.devices import Sharing, build_resources
     from gpunode.plugin.preferred import Topology, preferred_allocation
     from gpunode.plugin.simulate import simulated_inventory
 
     print("### 5. GetPreferredAllocation\n")
     print(
-        "`dgx-a100` (8 x A100 on NVSwitches, 2 PCIe switches and a NUMA node per 4), every device available, "
-        "nothing must be included. In-process: `preferred_allocation` on `simulated_inventory` + "
-        f"`build_resources`, {counts.preferred_inprocess} calls; gRPC: client side through the fake "
+        "`dgx-a100` (8 x A100 on NVSwitches, 2 PCIe switches and a NUMA node per 4), every device available "
+        "unless a GPU is named in use, nothing must be included. In-process: `preferred_allocation` on "
+        f"`simulated_inventory` + `build_resources`, {counts.preferred_inprocess} calls"
+        + (
+            f", interleaved call by call with `preferred.py` of {baseline} (same process, same inputs)"
+            if baseline
+            else ""
+        )
+        + "; gRPC: client side through the fake "
         f"kubelet against `--simulate dgx-a100 [--replicas 16]`, {counts.preferred_grpc} calls.\n"
     )
     inventory = simulated_inventory("dgx-a100")
     topology = Topology.from_inventory(inventory)
-    cases = [
-        ("8 GPUs", 1, "spread", 2),
-        ("8 GPUs", 1, "spread", 4),
-        ("8 GPUs", 1, "spread", 8),
-        ("8 GPUs x 16 replicas (128)", 16, "spread", 4),
-        ("8 GPUs x 16 replicas (128)", 16, "spread", 8),
-        ("8 GPUs x 16 replicas (128)", 16, "spread", 16),
-        ("8 GPUs x 16 replicas (128)", 16, "packed", 8),
+    old = _preferred_at(baseline) if baseline else None
+    old_topology = old.Topology.from_inventory(inventory) if old else None
+    cases: list[tuple[str, int, str, int, frozenset[int]]] = [
+        ("8 GPUs", 1, "spread", 1, frozenset()),
+        ("8 GPUs, GPU 7 in use", 1, "spread", 1, frozenset({7})),
+        ("8 GPUs", 1, "spread", 2, frozenset()),
+        ("8 GPUs", 1, "spread", 4, frozenset()),
+        ("8 GPUs", 1, "spread", 8, frozenset()),
+        ("8 GPUs x 16 replicas (128)", 16, "spread", 4, frozenset()),
+        ("8 GPUs x 16 replicas (128)", 16, "spread", 8, frozenset()),
+        ("8 GPUs x 16 replicas (128)", 16, "spread", 16, frozenset()),
+        ("8 GPUs x 16 replicas (128)", 16, "packed", 8, frozenset()),
     ]
     rows = []
-    sessions: dict[tuple[int, str], list[tuple[str, int, list[float], list[str]]]] = {}
-    for label, replicas, placement, size in cases:
+    # label, size, IDs offered, in-process samples (current, baseline), answer, GPUs of both answers
+    Item = tuple[str, int, list[str], list[float], list[float], list[str], str]
+    sessions: dict[tuple[int, str], list[Item]] = {}
+    for label, replicas, placement, size, busy in cases:
         [resource] = build_resources(inventory, sharing=Sharing(replicas))
         by_id = resource.by_id()
-        ids = [d.id for d in resource.devices]
-
-        def call(_i: int, b: Any = by_id, a: list[str] = ids, z: int = size, p: str = placement) -> object:
-            return preferred_allocation(topology, b, a, [], z, p)
-
-        inproc = _time_calls(call, counts.preferred_inprocess)
+        ids = [d.id for d in resource.devices if d.gpu_index not in busy]
+        inproc: list[float] = []
+        before: list[float] = []
+        for _ in range(counts.preferred_inprocess):
+            t = time.perf_counter()
+            preferred_allocation(topology, by_id, ids, [], size, placement)
+            inproc.append(time.perf_counter() - t)
+            if old is not None:
+                t = time.perf_counter()
+                old.preferred_allocation(old_topology, by_id, ids, [], size, placement)
+                before.append(time.perf_counter() - t)
         answer = preferred_allocation(topology, by_id, ids, [], size, placement)
-        sessions.setdefault((replicas, placement), []).append((label, size, inproc, answer))
+        gpus = [by_id[i].gpu_index for i in answer]
+        changed = ""
+        if old is not None:
+            old_gpus = [
+                by_id[i].gpu_index
+                for i in old.preferred_allocation(old_topology, by_id, ids, [], size, placement)
+            ]
+            changed = "same" if old_gpus == gpus else f"GPU {_gpus(old_gpus)} → {_gpus(gpus)}"
+        sessions.setdefault((replicas, placement), []).append(
+            (label, size, ids, inproc, before, answer, changed)
+        )
     for (replicas, placement), items in sessions.items():
         args = ["--simulate", "dgx-a100", "--replicas", str(replicas), "--placement", placement]
         with plugin_session("preferred", args, profile=None) as s:
-            ids = [d.id for d in ready(s, 8 * replicas)]
-            for label, size, inproc, answer in items:
+            listed = {d.id for d in ready(s, 8 * replicas)}
+            for label, size, ids, inproc, before, answer, changed in items:
+                assert set(ids) <= listed
                 for _ in range(20):
                     s.kubelet.get_preferred_allocation(GPU, ids, [], size)
                 remote: list[float] = []
@@ -613,22 +660,26 @@ def bench_preferred(counts: Counts) -> None:
                 got = list(response.container_responses[0].deviceIDs)
                 if got != answer:
                     NOTES.add("preferred", f"{label} size {size}: gRPC answer {got} != in-process {answer}")
-                gpus = len({i.split("::")[0] for i in answer})
-                rows.append(
-                    [
-                        f"{label}, {placement}",
-                        str(size),
-                        str(gpus),
-                        dur(statistics.median(inproc)),
-                        dur(percentile(inproc, 99)),
-                        dur(statistics.median(remote)),
-                        dur(percentile(remote, 99)),
-                    ]
-                )
-    table(
-        ["devices", "size", "GPUs in answer", "in-process p50", "in-process p99", "gRPC p50", "gRPC p99"],
-        rows,
-    )
+                row = [
+                    f"{label}, {placement}",
+                    str(size),
+                    str(len({i.split("::")[0] for i in answer})),
+                    dur(statistics.median(inproc)),
+                    dur(percentile(inproc, 99)),
+                ]
+                if before:
+                    row += [dur(statistics.median(before)), dur(percentile(before, 99)), changed]
+                rows.append([*row, dur(statistics.median(remote)), dur(percentile(remote, 99))])
+    header = ["devices", "size", "GPUs in answer", "in-process p50", "in-process p99"]
+    if baseline:
+        header += [f"{baseline} p50", f"{baseline} p99", f"answer vs {baseline}"]
+    table([*header, "gRPC p50", "gRPC p99"], rows)
+
+
+def _gpus(indexes: Sequence[int]) -> str:
+    """The GPUs of an answer for a table cell: 0,1 or, with replicas, 0x2,1x2."""
+    counted = {g: indexes.count(g) for g in indexes}
+    return ",".join(f"{g}x{c}" if c > 1 else str(g) for g, c in counted.items())
 
 
 # -- 6. 1,024 devices --------------------------------------------------------------------------------------
@@ -889,6 +940,12 @@ def main() -> None:
         default=None,
         help="plugin starts in section 1 (bench/run passes it to every script)",
     )
+    parser.add_argument(
+        "--preferred-baseline",
+        default=None,
+        metavar="REV",
+        help="section 5: also time gpunode/plugin/preferred.py of this git revision, call by call",
+    )
     args = parser.parse_args()
     counts = QUICK if args.quick else FULL
     if args.runs is not None:
@@ -910,7 +967,7 @@ def main() -> None:
     if 4 in only:
         bench_xid(counts)
     if 5 in only:
-        bench_preferred(counts)
+        bench_preferred(counts, args.preferred_baseline)
     if only & {6, 7}:
         rss.update(bench_big(counts))
     if 7 in only:
