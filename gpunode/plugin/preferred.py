@@ -39,11 +39,11 @@ Search. The first two parts of the objective fix how many units are used and, ne
 the search enumerates only sets of units (and the few splits that tie on shape) and scores each: exact
 whenever that costs at most `SEARCH_LIMIT` (every 8-GPU case, replicas included). The remainder then
 decides among the tied sets: a table of every set's score over the units with free devices (2^units
-entries, O(1) each), then every subset of each distinct remainder; exact up to ~10 such units, beyond
-that the sizes in order as long as their sets can be scored within the limit (16 GPUs: pairs). Larger
-cases (dozens of MIG instances, say) use greedy builds from a few promising first picks, each improved
-by single-device moves until none improves the objective: the unit count and split come out optimal,
-the score close; the remainder plays no part there.
+entries, O(1) each), each size's sets ranked once, and per distinct remainder the first ranked set
+inside it; exact up to ~10 such units, beyond that the sizes in order as long as their sets can be
+scored within the limit (16 GPUs: pairs). Larger cases (dozens of MIG instances, say) use greedy
+builds from a few promising first picks, each improved by single-device moves until none improves the
+objective: the unit count and split come out optimal, the score close; the remainder plays no part.
 
 Odd requests never raise (an error fails the pod's admission); the answer is always must_include first
 (duplicates dropped, given order), then the chosen devices in `available` order:
@@ -508,17 +508,18 @@ def _most_usable(p: _Problem, tied: list[list[int]]) -> list[int]:
     """Of candidates equal on the objective, the one whose remainder keeps the best sets (the first one
     of those, in the order found).
 
-    A remainder (each unit's free devices less the ones taken) is judged by `usable` sets of units: for
-    each size k of `next_sizes(units that had a free device)`, the best set score of k distinct units
+    A remainder (each unit's free devices less the ones taken) is judged by the sets of units it leaves:
+    for each size k of `next_sizes(units that had a free device)`, the best set score of k distinct units
     that still have a free device (-1 when fewer than k are left), compared in that order; and by its
     free counts: `spread` keeps them even (least sum of squares, the next request can spread as far
     as possible), `packed` keeps them uneven (largest: the devices left are on as few units as possible,
     whole GPUs stay whole). Spread compares the sets first, then the counts; packed the counts first.
     With whole GPUs the counts are the same for every candidate and only the sets count.
 
-    The sets cost 2^units (a table of every set's score) plus 2^free units per distinct remainder. When
-    that is over the limit (more than ~10 units with free devices), the sizes are taken in order, each
-    by enumerating its sets, as long as the work fits the limit (on 16 GPUs: size 2, pairs).
+    The sets cost 2^units (a table of every set's score) plus at most 2^free units per distinct
+    remainder (the sets looked at before the first one inside it). When that is over the limit (more
+    than ~10 units with free devices), the sizes are taken in order, each by enumerating its sets, as
+    long as the work fits the limit (on 16 GPUs: size 2, pairs).
     """
     if len(tied) == 1:
         return tied[0]
