@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from gpunode.errors import GpunodeError, NotFound
 from gpunode.host import Host
+from gpunode.nvml.capabilities import cap_minor
 from gpunode.nvml.model import Gpu, Inventory, MigDevice
 
 CONTROL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset")
@@ -211,7 +212,7 @@ def _mig_nodes(
     base = f"/proc/driver/nvidia/capabilities/gpu{gpu.minor}/mig/gi{mig.gpu_instance_id}"
     nodes: list[DeviceNode] = []
     for access in (f"{base}/access", f"{base}/ci{mig.compute_instance_id}/access"):
-        minor = _cap_minor(host, access)
+        minor = cap_minor(host, access)
         if minor is None:
             warnings.append(f"MIG device {mig.uuid}: {access} is missing; its capability node is left out")
             continue
@@ -224,18 +225,6 @@ def _mig_nodes(
             numbers = (caps_major, minor)  # nvidia-modprobe makes these on demand; the runtime makes it
         nodes.append(DeviceNode(path, roots.dev(path), *numbers))
     return tuple(nodes)
-
-
-def _cap_minor(host: Host, path: str) -> int | None:
-    try:
-        text = host.read_text_if_exists(path)
-    except GpunodeError:
-        return None
-    for line in (text or "").splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "DeviceFileMinor" and value.strip().isdigit():
-            return int(value.strip())
-    return None
 
 
 def read_ld_cache(data: bytes) -> list[tuple[int, str, str]]:

@@ -14,8 +14,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from gpunode.cdi.spec import ANNOTATION_PREFIX, annotation_key
-from gpunode.errors import ConfigError, GpunodeError
+from gpunode.errors import ConfigError
 from gpunode.host import Host
+from gpunode.nvml.capabilities import cap_minor
 from gpunode.plugin.devices import DeviceHealth, PluginDevice, Resource
 from gpunode.plugin.logsafe import shown, shown_ids
 
@@ -205,7 +206,7 @@ def read_device_nodes(
             base = f"/proc/driver/nvidia/capabilities/gpu{device.minor}/mig/gi{mig.gpu_instance_id}"
             found = []
             for access in (f"{base}/access", f"{base}/ci{mig.compute_instance_id}/access"):
-                minor = _cap_minor(host, probe.host_path(access))
+                minor = cap_minor(host, probe.host_path(access))
                 if minor is not None:
                     found.append(f"/dev/nvidia-caps/nvidia-cap{minor}")
             caps[device.uuid] = tuple(found)
@@ -224,15 +225,3 @@ def read_device_nodes(
             )
         logging.getLogger("gpunode.plugin").warning("%s; containers get no IMEX channel", message)
     return DeviceNodes(driver_root=driver_root, control=control, mig_caps=caps, imex_channels=tuple(channels))
-
-
-def _cap_minor(host: Host, path: str) -> int | None:
-    try:
-        text = host.read_text_if_exists(path)
-    except GpunodeError:
-        return None
-    for line in (text or "").splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "DeviceFileMinor" and value.strip().isdigit():
-            return int(value.strip())
-    return None
