@@ -15,8 +15,6 @@ import os
 import posixpath
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -31,6 +29,7 @@ from gpunode.errors import ExitCode, GpunodeError
 from gpunode.host import Host, ScriptedRunner
 from gpunode.runtimes import configure, containerd, crio, docker, records
 from gpunode.runtimes.plan import ConfigureOptions
+from tests.killharness import fake_containerd_env, gpunode_process
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures"
@@ -410,80 +409,13 @@ def test_a_file_renamed_in_place_before_a_failure_is_rolled_back(tmp_path: Path)
 
 # -- b: a real kill ---------------------------------------------------------------------------------
 
-# Runs the CLI, SIGKILLed at the Nth call of one step. os.write is not a step: gpunode writes through Python
-# file objects, which never call os.write, so the write step kills inside the file object's write, after
-# half of the data reached the temp file.
-CHILD = r"""
-import os, signal, sys
-
-step, n, argv = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
-calls = 0
-
-
-def hit():
-    global calls
-    calls += 1
-    return calls == n
-
-
-if step == "write":
-    real_fdopen = os.fdopen
-
-    class Dying:
-        def __init__(self, fh):
-            self.fh = fh
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.fh.close()
-
-        def write(self, data):
-            if hit():
-                self.fh.write(data[: len(data) // 2])
-                self.fh.flush()
-                os.kill(os.getpid(), signal.SIGKILL)
-            return self.fh.write(data)
-
-        def __getattr__(self, name):
-            return getattr(self.fh, name)
-
-    os.fdopen = lambda *a, **k: Dying(real_fdopen(*a, **k))
-elif step != "none":
-    real = getattr(os, step)
-
-    def wrapped(*args, **kwargs):
-        if hit():
-            os.kill(os.getpid(), signal.SIGKILL)
-        return real(*args, **kwargs)
-
-    setattr(os, step, wrapped)
-
-from gpunode.cli.main import main
-
-sys.exit(main(argv))
-"""
+# A real kill: tests/killharness.py runs the CLI in a child SIGKILLed at the Nth call of one step.
 
 
 @pytest.fixture(scope="module")
 def fake_containerd() -> Iterator[dict[str, str]]:
-    """An environment whose PATH answers `containerd --version` as containerd 1.6, on any machine."""
-    with tempfile.TemporaryDirectory() as tmp:
-        program = Path(tmp) / "containerd"
-        program.write_text(f"#!/bin/sh\nprintf '%s' '{CONTAINERD_1_6}'\n")
-        program.chmod(0o755)
-        yield {**os.environ, "PATH": f"{tmp}:{os.environ.get('PATH', '')}"}
-
-
-def gpunode_process(
-    root: Path, env: Mapping[str, str], *args: str, kill: tuple[str, int] | None = None
-) -> int:
-    step, n = kill or ("none", 0)
-    argv = [sys.executable, "-c", CHILD, step, str(n), "--root", str(root), *args]
-    return subprocess.run(
-        argv, cwd=REPO, env=dict(env), capture_output=True, check=False, timeout=60
-    ).returncode
+    with fake_containerd_env() as env:
+        yield env
 
 
 @dataclass(frozen=True)

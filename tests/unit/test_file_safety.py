@@ -14,8 +14,7 @@ import signal
 import stat
 import subprocess
 import sys
-import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,6 +25,7 @@ from gpunode.errors import ConcurrentChange, ExitCode, NotFound
 from gpunode.host import Host, ScriptedRunner
 from gpunode.runtimes import configure, containerd, docker, records, service
 from gpunode.runtimes.plan import ConfigureOptions
+from tests.killharness import fake_containerd_env, gpunode_process
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures"
@@ -364,81 +364,11 @@ def test_a_revert_without_restart_after_a_configure_without_restart_leaves_no_re
 
 # -- revert is as crash-safe as apply: a real SIGKILL at every step ----------------------------------
 
-# The step is killed (SIGKILL) at its Nth call. "write" kills inside the file object's write, after half the
-# data reached the temp file.
-CHILD = r"""
-import os, signal, sys
-
-step, n, argv = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
-calls = 0
-
-
-def hit():
-    global calls
-    calls += 1
-    return calls == n
-
-
-if step == "write":
-    real_fdopen = os.fdopen
-
-    class Dying:
-        def __init__(self, fh):
-            self.fh = fh
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.fh.close()
-
-        def write(self, data):
-            if hit():
-                self.fh.write(data[: len(data) // 2])
-                self.fh.flush()
-                os.kill(os.getpid(), signal.SIGKILL)
-            return self.fh.write(data)
-
-        def __getattr__(self, name):
-            return getattr(self.fh, name)
-
-    os.fdopen = lambda *a, **k: Dying(real_fdopen(*a, **k))
-elif step != "none":
-    import pathlib
-
-    holder, name = (pathlib.Path, "unlink") if step == "unlink" else (os, step)
-    real = getattr(holder, name)
-
-    def wrapped(*args, **kwargs):
-        if hit():
-            os.kill(os.getpid(), signal.SIGKILL)
-        return real(*args, **kwargs)
-
-    setattr(holder, name, wrapped)
-
-from gpunode.cli.main import main
-
-sys.exit(main(argv))
-"""
-
 
 @pytest.fixture(scope="module")
 def fake_containerd() -> Iterator[dict[str, str]]:
-    with tempfile.TemporaryDirectory() as tmp:
-        program = Path(tmp) / "containerd"
-        program.write_text(f"#!/bin/sh\nprintf '%s' '{CONTAINERD_1_6}'\n")
-        program.chmod(0o755)
-        yield {**os.environ, "PATH": f"{tmp}:{os.environ.get('PATH', '')}"}
-
-
-def gpunode_process(
-    root: Path, env: Mapping[str, str], *args: str, kill: tuple[str, int] | None = None
-) -> int:
-    step, n = kill or ("none", 0)
-    argv = [sys.executable, "-c", CHILD, step, str(n), "--root", str(root), *args]
-    return subprocess.run(
-        argv, cwd=REPO, env=dict(env), capture_output=True, check=False, timeout=120
-    ).returncode
+    with fake_containerd_env() as env:
+        yield env
 
 
 DROP_IN = "/etc/containerd/conf.d/99-nvidia.toml"
