@@ -12,10 +12,7 @@ import contextlib
 import errno
 import fcntl
 import os
-import shutil
 import stat
-import subprocess
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -72,6 +69,8 @@ def _with_program_path(argv: Sequence[str]) -> Sequence[str]:
     (sbin included), so that cron's or Ansible's short PATH runs the same program as a login shell."""
     if not argv or "/" in argv[0]:
         return argv
+    import shutil  # here, not at the top: the device plugin never runs a command (its start and memory)
+
     path = os.pathsep.join([*os.environ.get("PATH", "").split(os.pathsep), *DEFAULT_PATH.split(":")])
     try:
         found = shutil.which(argv[0], path=path)
@@ -91,6 +90,8 @@ class SubprocessRunner:
         env: Mapping[str, str] | None = None,
         input: str | None = None,
     ) -> CommandResult:
+        import subprocess  # here, not at the top: the device plugin never runs a command
+
         start = time.monotonic()
         full_env = None if env is None else {**os.environ, **env}
         argv = _with_program_path(argv)
@@ -125,6 +126,8 @@ class SubprocessRunner:
     ) -> CommandResult:
         """Run a long command, handing each line of its output (stdout and stderr merged, as a terminal
         shows them) to `on_line` as it comes. The result's stdout holds the last STREAM_KEEP lines."""
+        import subprocess
+
         start = time.monotonic()
         full_env = None if env is None else {**os.environ, **env}
         argv = _with_program_path(argv)
@@ -743,6 +746,8 @@ def _atomic_write(
     attrs_from: Path | None = None,
     before_rename: Callable[[], None] | None = None,
 ) -> None:
+    import tempfile  # with shutil, bz2, lzma, random: not on every command's start, nor the plugin's
+
     directory = target.parent
     tmp_dir = tmp_directory or directory
     try:

@@ -9,7 +9,6 @@ nearest existing ancestor until the directory is back.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import logging
 import os
@@ -47,7 +46,9 @@ class DirEvent:
 
 class _Inotify:
     def __init__(self) -> None:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        # The process's own symbols, libc's among them: ctypes.util.find_library("c") ran `ldconfig -p`
+        # in a subprocess at every start (and imported shutil and tempfile for it).
+        libc = ctypes.CDLL(None, use_errno=True)
         self._add = libc.inotify_add_watch
         self._add.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32)
         self._rm = libc.inotify_rm_watch
