@@ -108,11 +108,9 @@ class LogWriter:
     caller queues the record (cheap) and this thread formats and writes it; the lines keep their order and
     their time stamps (taken at the call).
 
-    The thread waits BATCH_DELAY after a record arrives before it formats and writes what has come: the
-    thread that logged (an Allocate logs just before it answers) gets its answer out without this one
-    taking the GIL from it in between (measured: ~9 % of an Allocate round trip over gRPC at the median,
-    against ~4 % with the line not logged at all), and lines that come together are written with one
-    write().
+    The thread waits BATCH_DELAY after a record arrives before it formats and writes what has come, with
+    one write(): records that come meanwhile wake nobody, and the thread that logged gets on without this
+    one taking the GIL from it at once. (Allocate logs its line once the answer has gone, server.py.)
     """
 
     BATCH_DELAY = 0.002  # seconds

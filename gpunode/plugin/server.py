@@ -30,7 +30,7 @@ from typing import Any
 
 import grpc
 
-from gpunode.plugin.allocate import AllocateSettings, Refused, allocate
+from gpunode.plugin.allocate import AllocateSettings, ContainerAllocation, Refused, allocate
 from gpunode.plugin.api import deviceplugin_pb2 as pb
 from gpunode.plugin.api import deviceplugin_pb2_grpc
 from gpunode.plugin.devices import DeviceHealth, DeviceRegistry
@@ -231,21 +231,18 @@ class DevicePluginService(deviceplugin_pb2_grpc.DevicePluginServicer):
             )
             context.abort(getattr(grpc.StatusCode, refused.code), refused.message)
         # Every ID is a served device here (checked above), so they are known, short and printable.
-        log.info("%s: allocated %s", self.resource_name, "; ".join(",".join(c) for c in containers))
-        return pb.AllocateResponse(
-            container_responses=[
-                pb.ContainerAllocateResponse(
-                    envs=a.envs,
-                    mounts=[pb.Mount(container_path=c, host_path=h, read_only=ro) for c, h, ro in a.mounts],
-                    devices=[
-                        pb.DeviceSpec(container_path=c, host_path=h, permissions=p) for c, h, p in a.devices
-                    ],
-                    annotations=a.annotations,
-                    cdi_devices=[pb.CDIDevice(name=n) for n in a.cdi_devices],
-                )
-                for a in answers
-            ]
-        )
+        allocated = "; ".join(",".join(c) for c in containers)
+
+        def logged() -> None:
+            log.info("%s: allocated %s", self.resource_name, allocated)
+
+        # Logged once the answer is on its way (gRPC calls back when the call ends), not before: the log
+        # thread the line wakes then no longer takes the GIL from the thread that is answering (Allocate
+        # over gRPC, bench/plugin_ab.py: 1.09x a bare grpcio server with the line logged here, 1.03x
+        # after the answer, 1.03x not logged at all; same run).
+        if not context.add_callback(logged):
+            logged()  # the call has ended already
+        return pb.AllocateResponse(container_responses=[_container_response(a) for a in answers])
 
     def PreStartContainer(
         self, request: pb.PreStartContainerRequest, context: grpc.ServicerContext
@@ -302,6 +299,25 @@ class ResourceServer:
         if remove_socket and self.socket_is_ours():
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.socket_path)
+
+
+def _container_response(a: ContainerAllocation) -> pb.ContainerAllocateResponse:
+    # Only the fields the strategies filled: each one given to the constructor costs a conversion even when
+    # empty (a map goes through collections.abc's update), and an empty field is not sent anyway.
+    fields: dict[str, Any] = {}
+    if a.envs:
+        fields["envs"] = a.envs
+    if a.mounts:
+        fields["mounts"] = [pb.Mount(container_path=c, host_path=h, read_only=ro) for c, h, ro in a.mounts]
+    if a.devices:
+        fields["devices"] = [
+            pb.DeviceSpec(container_path=c, host_path=h, permissions=p) for c, h, p in a.devices
+        ]
+    if a.annotations:
+        fields["annotations"] = a.annotations
+    if a.cdi_devices:
+        fields["cdi_devices"] = [pb.CDIDevice(name=n) for n in a.cdi_devices]
+    return pb.ContainerAllocateResponse(**fields)
 
 
 def _plain_choice(must: list[str], available: list[str], size: int) -> list[str]:
