@@ -1,6 +1,6 @@
 """A bare grpcio DevicePlugin server: the floor the plugin's Allocate is measured against (plugin_ab.py).
 
-Usage: python bench/bare_server.py SOCKET_PATH   (serves until SIGTERM; prints "ready" once it accepts calls)
+Usage: python bench/bare_server.py SOCKET_PATH [--plugin-options]   (serves until SIGTERM; prints "ready")
 
 It answers Allocate with the same message the plugin answers for the envvar strategy (NVIDIA_VISIBLE_DEVICES =
 the requested IDs, comma-separated), built from the request with nothing checked, logged or looked up; and
@@ -46,7 +46,16 @@ class Bare(deviceplugin_pb2_grpc.DevicePluginServicer):
 
 def main() -> None:
     path = sys.argv[1]
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
+    # --plugin-options: the server options the plugin sets (gpunode/plugin/server.py), to tell their cost
+    # from the handler's.
+    like_plugin = "--plugin-options" in sys.argv[2:]
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=16),
+        options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 4 * 1024 * 1024)]
+        if like_plugin
+        else None,
+        maximum_concurrent_rpcs=256 if like_plugin else None,
+    )
     pb_grpc.add_DevicePluginServicer_to_server(Bare(), server)
     if server.add_insecure_port(f"unix://{path}") == 0:
         raise SystemExit(f"cannot listen on {path}")

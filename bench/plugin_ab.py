@@ -162,12 +162,14 @@ def _request(device: str) -> pb.AllocateRequest:
     return pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=[device])])
 
 
-def bench_rss_and_allocate(all_trees: list[Tree], allocates: int, rss: bool, latency: bool) -> None:
+def bench_rss_and_allocate(
+    all_trees: list[Tree], allocates: int, rss: bool, latency: bool, args: Sequence[str] = ()
+) -> None:
     """RSS along 20,000 Allocates, and Allocate against the bare server, one plugin per tree at a time."""
     rss_rows: list[list[str]] = []
     lat_rows: list[list[str]] = []
     for tree in all_trees:
-        with session(tree) as (kubelet, plugin):
+        with session(tree, args) as (kubelet, plugin):
             kubelet.wait_registered(GPU, timeout=60)
             devices = kubelet.wait_for_update(GPU, lambda d: len(d) == 4, timeout=60).devices
             ids = [d.id for d in devices]
@@ -244,6 +246,10 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=10, help="plugin starts per tree and case")
     parser.add_argument("--allocates", type=int, default=20_000)
     parser.add_argument("--only", default="start,rss,allocate")
+    parser.add_argument(
+        "--plugin-args", default="", help="extra `plugin run` arguments for rss/allocate, space-separated"
+    )
+    parser.add_argument("--no-worktree", action="store_true", help="only the baselines (and --tree)")
     args = parser.parse_args()
     only = set(args.only.split(","))
     fakenvml.build()
@@ -252,11 +258,14 @@ def main() -> None:
         f"{platform.python_version()}, {os.cpu_count()} CPUs, {platform.platform()}, load average "
         f"{os.getloadavg()[0]:.1f} at the start\n"
     )
-    with trees(args.baseline, args.tree) as all_trees:
+    with trees(args.baseline, args.tree) as found:
+        all_trees = found[1:] if args.no_worktree else found
         if "start" in only:
             bench_start(all_trees, args.runs)
         if only & {"rss", "allocate"}:
-            bench_rss_and_allocate(all_trees, args.allocates, "rss" in only, "allocate" in only)
+            bench_rss_and_allocate(
+                all_trees, args.allocates, "rss" in only, "allocate" in only, args.plugin_args.split()
+            )
     print(f"Load average at the end: {os.getloadavg()[0]:.1f}")
 
 
