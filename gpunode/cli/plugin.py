@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 import click
 
 from gpunode.cli.common import Group, exit_codes
+from gpunode.cli.plugin_manifest import manifest
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -20,6 +21,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 )
 def app() -> None:
     pass
+
+
+app.add_command(manifest)  # `plugin manifest`: the DaemonSet form, in its own module
 
 
 def _flag(flag: str, env: str, text: str, metavar: str, type_: Any = None) -> Callable[[F], F]:

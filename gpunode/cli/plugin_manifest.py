@@ -1,0 +1,94 @@
+"""`gpunode plugin manifest`: the DaemonSet form of this node's plugin config (gpunode/plugin/manifest.py).
+
+A module of its own, registered on the `plugin` group by gpunode/cli/plugin.py; it imports only click at
+import time, as the other command modules do.
+"""
+
+from __future__ import annotations
+
+import click
+
+from gpunode.cli.common import exit_codes
+
+
+@click.command(
+    "manifest",
+    epilog=exit_codes(
+        "0    printed",
+        "4    the config (file, environment) does not load, or a bad --namespace / --image",
+        "6    the --config file does not exist",
+    ),
+)
+@click.option(
+    "--config",
+    metavar="PATH",
+    help="The plugin config to deploy (as `plugin run --config`): gpunode's TOML or NVIDIA's config. "
+    "Default: $GPUNODE_PLUGIN_CONFIG, else /etc/gpunode/plugin.toml if it exists. GPUNODE_* variables "
+    "count too, as for `plugin run`.",
+)
+@click.option(
+    "--namespace",
+    metavar="NAME",
+    default="gpunode-system",
+    show_default=True,
+    help="The namespace created for the plugin.",
+)
+@click.option(
+    "--image",
+    metavar="IMAGE",
+    default=None,
+    help="The image built from the Containerfile (default gpunode-device-plugin:<this version>).",
+)
+@click.option(
+    "--status-file",
+    metavar="PATH",
+    default=None,
+    help="Where the plugin keeps its status file in the container; the liveness probe reads it "
+    "(default /run/gpunode/plugin-status.json, on an emptyDir).",
+)
+@click.option(
+    "--events/--no-events",
+    default=False,
+    help="Grant the RBAC for Events on the Node and its GPUHealthy condition (default: none, and no "
+    "service account token is mounted).",
+)
+@click.pass_context
+def manifest(
+    ctx: click.Context,
+    config: str | None,
+    namespace: str,
+    image: str | None,
+    status_file: str | None,
+    events: bool,
+) -> None:
+    """Print the Kubernetes manifests (Namespace, ServiceAccount, RBAC, ConfigMap, DaemonSet) that run the
+    device plugin with this node's config on every GPU node: the same settings as `plugin install`."""
+    import os
+    import re
+
+    from gpunode.cli.state import state
+    from gpunode.errors import ConfigError
+    from gpunode.plugin import manifest as dm
+    from gpunode.plugin.config import load_config
+
+    # A DNS-1123 label, as the API requires of a namespace's name: refused here rather than by kubectl.
+    if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", namespace):
+        raise ConfigError(
+            f"--namespace {namespace!r} is not a valid namespace name",
+            "use lower-case letters, digits and '-', at most 63 characters",
+        )
+    if image is not None and (not image or any(c.isspace() for c in image)):
+        raise ConfigError(f"--image {image!r} is not an image reference", "give e.g. registry/name:tag")
+    if status_file is not None and (not status_file.startswith("/") or status_file.endswith("/")):
+        raise ConfigError(f"--status-file {status_file!r} is not an absolute file path")
+    host = state(ctx).host
+    resolved = load_config(host, config_path=config, env=os.environ, flags={})
+    options = dm.ManifestOptions(
+        namespace=namespace,
+        image=image or dm.IMAGE,
+        driver_root=resolved.driver_root,
+        socket_dir=resolved.socket_dir,
+        status_file=status_file or dm.STATUS_FILE,
+        events=events,
+    )
+    click.echo(dm.manifests(resolved, options), nl=False)

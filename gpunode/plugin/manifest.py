@@ -1,0 +1,266 @@
+"""The device plugin as a Kubernetes DaemonSet: the manifests `gpunode plugin manifest` prints.
+
+One option table serves both forms: the settings a node's plugin resolves (file, environment, flags) become
+the ConfigMap's `plugin.toml`, which the container reads with `--config` semantics (GPUNODE_PLUGIN_CONFIG).
+Three settings name host paths and are the DaemonSet's business instead: `driver-root` and `socket-dir`
+become hostPath volumes, mounted at fixed paths in the container, and the container is told those paths by
+environment (which wins over the file); `dev-root` is set to `/` there, so device specs name the host's
+/dev, which is where kubelet and the runtime look. deploy/ and the Helm chart in deploy/helm hold the same
+objects (tests/integration/test_daemonset.py keeps the three equal).
+
+PyYAML is imported only here, when the manifests are printed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from gpunode import __version__
+from gpunode.plugin.config import OPTIONS, PluginConfig, value_of
+
+NAME = "gpunode-device-plugin"
+NAMESPACE = "gpunode-system"
+IMAGE = f"{NAME}:{__version__}"  # built from the checkout's Containerfile; no registry publishes it
+# Where the container finds what the hostPath volumes bring in, and where it keeps its status.
+CONTAINER_SOCKET_DIR = "/var/lib/kubelet/device-plugins"
+CONTAINER_DRIVER_ROOT = "/driver-root"
+CONFIG_DIR = "/etc/gpunode"
+CONFIG_FILE = f"{CONFIG_DIR}/plugin.toml"
+STATUS_DIR = "/run/gpunode"
+STATUS_FILE = f"{STATUS_DIR}/plugin-status.json"
+# Settings the DaemonSet sets itself: they name paths on the host, not in the container.
+HOST_PATH_OPTIONS = ("driver_root", "dev_root", "socket_dir")
+# GPU feature discovery's label, which `gpunode node advertise` also sets.
+NODE_SELECTOR = {"nvidia.com/gpu.present": "true"}
+TOLERATIONS: tuple[dict[str, str], ...] = (
+    {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+    {"key": "CriticalAddonsOnly", "operator": "Exists"},
+)
+
+
+@dataclass(frozen=True)
+class ManifestOptions:
+    namespace: str = NAMESPACE
+    image: str = IMAGE
+    # Host paths: the node's own settings (driver-root, socket-dir) as the local config resolves them.
+    driver_root: str = "/"
+    socket_dir: str = CONTAINER_SOCKET_DIR
+    status_file: str = STATUS_FILE  # in the container, on an emptyDir
+    # RBAC for the Events on the Node and its GPUHealthy condition (issue 18); off: no API access at all.
+    events: bool = False
+
+
+def config_toml(config: PluginConfig) -> str:
+    """The settings that did not come from a default, as the TOML file the container reads; host paths
+    left out (the DaemonSet sets them)."""
+    import tomlkit
+
+    document = tomlkit.document()
+    document.add(tomlkit.comment("gpunode device plugin config (gpunode plugin run --config)"))
+    tables: dict[str, Any] = {}
+    for option in OPTIONS:
+        if option.name in HOST_PATH_OPTIONS or config.origins.get(option.name, "default") == "default":
+            continue
+        table, dot, key = option.key.rpartition(".")
+        value = value_of(config, option)
+        if dot:
+            if table not in tables:
+                tables[table] = tomlkit.table()
+            tables[table].add(key, value)
+        else:
+            document.add(key, value)
+    for name, table_ in tables.items():
+        document.add(name, table_)
+    return tomlkit.dumps(document)
+
+
+def _labels(component: str | None = None) -> dict[str, str]:
+    labels = {"app.kubernetes.io/name": NAME, "app.kubernetes.io/part-of": "gpunode"}
+    if component:
+        labels["app.kubernetes.io/component"] = component
+    return labels
+
+
+def objects(options: ManifestOptions, toml_text: str) -> list[dict[str, Any]]:
+    """Namespace, ServiceAccount, (RBAC), ConfigMap and DaemonSet, in the order `kubectl apply` needs."""
+    ns = options.namespace
+    meta = {"name": NAME, "namespace": ns, "labels": _labels()}
+    out: list[dict[str, Any]] = [
+        {
+            "apiVersion": "v1",
+            "kind": "Namespace",
+            "metadata": {
+                "name": ns,
+                "labels": {
+                    **_labels(),
+                    # hostPath volumes are refused by the baseline and restricted Pod Security levels.
+                    "pod-security.kubernetes.io/enforce": "privileged",
+                },
+            },
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "ServiceAccount",
+            "metadata": meta,
+            # The plugin talks to kubelet over a unix socket, not to the API: no token unless events are on.
+            "automountServiceAccountToken": options.events,
+        },
+    ]
+    if options.events:
+        out += _rbac(ns)
+    out.append(
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": f"{NAME}-config", "namespace": ns, "labels": _labels()},
+            "data": {"plugin.toml": toml_text},
+        }
+    )
+    out.append(_daemonset(options, toml_text))
+    return out
+
+
+def _rbac(namespace: str) -> list[dict[str, Any]]:
+    # Exactly what issue 18's reporter needs: Events about the Node (create, and patch to bump the count of
+    # a repeated one; core v1 or events.k8s.io/v1, whichever the server offers) and the GPUHealthy condition
+    # (a patch of nodes/status, after reading the Node's current conditions).
+    rules = [
+        {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
+        {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]},
+        {"apiGroups": [""], "resources": ["nodes/status"], "verbs": ["patch"]},
+    ]
+    return [
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRole",
+            "metadata": {"name": NAME, "labels": _labels()},
+            "rules": rules,
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRoleBinding",
+            "metadata": {"name": NAME, "labels": _labels()},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": NAME},
+            "subjects": [{"kind": "ServiceAccount", "name": NAME, "namespace": namespace}],
+        },
+    ]
+
+
+def liveness_command(status_file: str) -> list[str]:
+    """`plugin status` exits 0 only while the plugin is registered and its process alive (1 otherwise)."""
+    return ["gpunode", "plugin", "status", "--status-file", status_file]
+
+
+def _daemonset(options: ManifestOptions, toml_text: str) -> dict[str, Any]:
+    status_dir = options.status_file.rsplit("/", 1)[0] or "/"
+    env = [
+        {"name": "GPUNODE_PLUGIN_CONFIG", "value": CONFIG_FILE},
+        {"name": "GPUNODE_PLUGIN_STATUS_FILE", "value": options.status_file},
+        {"name": "GPUNODE_SOCKET_DIR", "value": CONTAINER_SOCKET_DIR},
+        {"name": "GPUNODE_DRIVER_ROOT", "value": CONTAINER_DRIVER_ROOT},
+        # Device nodes are named as the host has them: kubelet and the runtime read these paths there.
+        {"name": "GPUNODE_DEV_ROOT", "value": "/"},
+    ]
+    container = {
+        "name": "device-plugin",
+        "image": options.image,
+        "imagePullPolicy": "IfNotPresent",
+        "env": env,
+        "resources": {
+            "requests": {"cpu": "50m", "memory": "64Mi"},
+            "limits": {"memory": "256Mi"},
+        },
+        "securityContext": {
+            # Root owns kubelet's socket directory; nothing else of root's is kept.
+            "runAsUser": 0,
+            "runAsGroup": 0,
+            "allowPrivilegeEscalation": False,
+            "privileged": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "livenessProbe": {
+            "exec": {"command": liveness_command(options.status_file)},
+            # kubelet runs the probe, so kubelet is up when it fails: 3 misses in 90 s is a plugin that
+            # cannot register (a kubelet restart costs it milliseconds).
+            "initialDelaySeconds": 30,
+            "periodSeconds": 30,
+            "timeoutSeconds": 10,
+            "failureThreshold": 3,
+        },
+        "volumeMounts": [
+            {"name": "device-plugins", "mountPath": CONTAINER_SOCKET_DIR},
+            {"name": "driver-root", "mountPath": CONTAINER_DRIVER_ROOT, "readOnly": True},
+            {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+            {"name": "status", "mountPath": status_dir},
+        ],
+    }
+    pod_labels = _labels("device-plugin")
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "DaemonSet",
+        "metadata": {"name": NAME, "namespace": options.namespace, "labels": _labels("device-plugin")},
+        "spec": {
+            "selector": {"matchLabels": {"app.kubernetes.io/name": NAME}},
+            "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}},
+            "template": {
+                "metadata": {
+                    "labels": pod_labels,
+                    # A changed config rolls the pods (the container reads its file at start and on SIGHUP).
+                    "annotations": {"gpunode.io/config-sha256": config_digest(toml_text)},
+                },
+                "spec": {
+                    "serviceAccountName": NAME,
+                    "automountServiceAccountToken": options.events,
+                    "priorityClassName": "system-node-critical",
+                    "nodeSelector": dict(NODE_SELECTOR),
+                    "tolerations": [dict(t) for t in TOLERATIONS],
+                    "terminationGracePeriodSeconds": 30,
+                    "containers": [container],
+                    "volumes": [
+                        {
+                            "name": "device-plugins",
+                            "hostPath": {"path": options.socket_dir, "type": "DirectoryOrCreate"},
+                        },
+                        {
+                            "name": "driver-root",
+                            "hostPath": {"path": options.driver_root, "type": "Directory"},
+                        },
+                        {"name": "config", "configMap": {"name": f"{NAME}-config"}},
+                        {"name": "status", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}},
+                    ],
+                },
+            },
+        },
+    }
+
+
+def config_digest(toml_text: str) -> str:
+    return hashlib.sha256(toml_text.encode()).hexdigest()
+
+
+def to_yaml(items: Sequence[dict[str, Any]]) -> str:
+    """A multi-document YAML stream, keys in the order they were built (as people read manifests), the
+    config file as a literal block (readable, and diffable line by line)."""
+    import yaml
+
+    class Dumper(yaml.SafeDumper):
+        pass
+
+    def text(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+        style = "|" if "\n" in value else None
+        return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+    Dumper.add_representer(str, text)
+    return "".join(
+        "---\n" + yaml.dump(item, Dumper=Dumper, sort_keys=False, default_flow_style=False, width=110)
+        for item in items
+    )
+
+
+def manifests(config: PluginConfig, options: ManifestOptions) -> str:
+    return to_yaml(objects(options, config_toml(config)))
