@@ -49,7 +49,8 @@ def _switch(flag: str, env: str, text: str) -> Callable[[F], F]:
 @click.option(
     "--config",
     metavar="PATH",
-    help="TOML config file. Default: $GPUNODE_PLUGIN_CONFIG, else /etc/gpunode/plugin.toml if it exists.",
+    help="Config file: gpunode's TOML, or NVIDIA's device-plugin config (YAML/JSON, version v1) as it is. "
+    "Default: $GPUNODE_PLUGIN_CONFIG, else /etc/gpunode/plugin.toml if it exists.",
 )
 @click.option(
     "--simulate",
@@ -269,7 +270,8 @@ def run(
 @click.option(
     "--config",
     metavar="FILE",
-    help="A plugin TOML config to install as /etc/gpunode/plugin.toml (checked first).",
+    help="A plugin config to install as /etc/gpunode/plugin.toml (checked first): gpunode's TOML, or "
+    "NVIDIA's device-plugin config, installed as the gpunode TOML it means (see `plugin import-config`).",
 )
 @click.option("--dry-run", is_flag=True, help="Print the unit and the commands; change nothing.")
 @click.option("--no-start", is_flag=True, help="Install and enable, but do not start it now.")

@@ -34,8 +34,9 @@ from gpunode.plugin.config import PluginConfig
 from gpunode.plugin.devices import DeviceHealth, DeviceRegistry, Resource, Sharing, Unit, build_resources
 from gpunode.plugin.health import HealthMonitor
 from gpunode.plugin.logsafe import shown
+from gpunode.plugin.observe import PluginObserver, start_observer
 from gpunode.plugin.preferred import Topology
-from gpunode.plugin.server import DevicePluginService, ResourceServer, ServeSettings, device_message
+from gpunode.plugin.server import ResourceServer, ServeSettings, device_message
 from gpunode.plugin.watch import DirectoryWatch, DirEvent
 
 log = logging.getLogger("gpunode.plugin")
@@ -72,6 +73,27 @@ def check_message_sizes(resources: tuple[Resource, ...]) -> None:
                 f"{size / 1048576:.1f} MiB ListAndWatch message, over kubelet's 4 MiB limit",
                 "use fewer time-slicing replicas (time-slicing.replicas), or a MIG layout with fewer "
                 "instances",
+            )
+
+
+def _warn_unused_sharing(config: PluginConfig, resources: tuple[Resource, ...]) -> None:
+    """A time-slicing entry for a resource this node does not serve (a MIG profile it lacks, a typo) shares
+    nothing; NVIDIA's plugin says nothing, gpunode says so once per (re)load."""
+    domain = config.resource_name.split("/", 1)[0]
+    served = {r.name for r in resources}
+    for entry in config.shared_resources:
+        name = entry.name if "/" in entry.name else f"{domain}/{entry.name}"
+        renamed = entry.rename if "/" in entry.rename else f"{domain}/{entry.rename}"
+        if (
+            name not in served
+            and name + ".shared" not in served
+            and (not entry.rename or renamed not in served)
+        ):
+            log.warning(
+                "time-slicing.resources: %s is not a resource of this node (it serves %s); that entry shares "
+                "nothing",
+                name,
+                ", ".join(sorted(served)) or "none",
             )
 
 
@@ -169,6 +191,8 @@ class Plugin:
         self._discovery_delay = 1.0
         self._stopped = threading.Event()
         self._dir_lock: tuple[int, int] | None = None  # (fd, inode) of the socket directory we hold
+        # Metrics, Events and the GPUHealthy condition (issue 18); a do-nothing observer until run().
+        self._observer = PluginObserver()
 
     # -- called from other threads (signal handlers, timers, the watch) -------------------------
 
@@ -186,6 +210,8 @@ class Plugin:
 
     def run(self) -> None:
         try:
+            # Read once: a new metrics address or events setting takes a restart, not a SIGHUP.
+            self._observer = start_observer(self.host, self.config, simulated=self.simulated)
             self._load_devices(first=True)
             self._start_watch()
             self._reconcile()
@@ -268,6 +294,7 @@ class Plugin:
         if self._health is not None:
             self._health.stop()
         self._release_dir_lock()
+        self._observer.stop()
 
     # -- devices --------------------------------------------------------------------------------
 
@@ -295,6 +322,7 @@ class Plugin:
             mig_names=config.mig_resources,
         )
         check_message_sizes(resources)
+        _warn_unused_sharing(config, resources)
         if not self.simulated:
             self._check_cdi_spec(resources, first=first)
         self._inventory = inventory
@@ -510,7 +538,7 @@ class Plugin:
 
     def _serve(self, resource: Resource) -> ResourceServer:
         path = os.path.join(self.socket_dir, resource.socket_name)
-        service = DevicePluginService(resource.name, self.registry, self._topology, self._serve_settings())
+        service = self._observer.service(resource.name, self.registry, self._topology, self._serve_settings())
         server = ResourceServer(path, service)
         try:
             server.start()
@@ -543,6 +571,9 @@ class Plugin:
             # Whatever answers on kubelet.sock wrote it: escaped and bounded before it is logged or shown.
             detail = shown(detail or "", limit=DETAIL_LIMIT)
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, None):
+                self._observer.register_failed(
+                    name, f"{code.name if code else 'error'}: {detail}", refused=False
+                )
                 self._retry_register(name, served, f"{code.name if code else 'error'}: {detail}")
                 return
             # kubelet looked at the request and said no (bad version or resource name): asking again
@@ -556,11 +587,13 @@ class Plugin:
                 served.refused,
                 API_VERSION,
             )
+            self._observer.register_failed(name, served.refused, refused=True)
             return
         served.registered_with = inode
         served.refused = None
         served.retry_delay = RETRY_FIRST
         log.info("%s: registered with kubelet (%s)", name, kubelet)
+        self._observer.registered(name, inode)
 
     def _retry_register(self, name: str, served: _Served, why: str) -> None:
         delay = served.retry_delay
@@ -602,5 +635,6 @@ class Plugin:
             self.status.nvml_error,
             [UnmonitoredGpu(i, u, why) for u, (i, why) in sorted(unmonitored.items(), key=lambda e: e[1][0])],
         )
+        self._observer.on_status(self.status, self.registry)
         if self.on_status is not None:
             self.on_status(self.status)

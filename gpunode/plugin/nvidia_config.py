@@ -176,6 +176,8 @@ def _walk(
         if isinstance(target, dict):
             if value is None:  # `sharing:` with nothing under it, as YAML allows
                 continue
+            if dotted == "sharing.mps":  # where _check_mps points when it refuses the section
+                out.append(Setting(dotted, line, None, None, "MPS"))
             _walk(value_node, value, target, f"{dotted}.", path=path, out=out)
             continue
         if dotted in _ENTRY_KEYS:
@@ -229,7 +231,7 @@ def _check_mps(data: Mapping[str, Any], settings: list[Setting], path: str) -> N
         return
     from gpunode.plugin.config import _shared_resources
 
-    line = next((s.line for s in settings if s.key.startswith("sharing.mps")), 0)
+    line = next((s.line for s in settings if s.key == "sharing.mps"), 0)
     entries = _shared_resources(mps.get("resources") or [], f"sharing.mps.resources ({path}, line {line})")
     if any(e.replicas > 1 for e in entries):
         raise ConfigError(

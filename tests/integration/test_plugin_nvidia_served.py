@@ -130,7 +130,7 @@ def test_a_missing_imex_channel_is_skipped_unless_required(kubelet: FakeKubelet,
 @pytest.mark.parametrize(
     ("name", "message"),
     [
-        ("mps.yaml", "line 4: sharing.mps: MPS sharing is not supported by gpunode yet"),
+        ("mps.yaml", "line 3: sharing.mps: MPS sharing is not supported by gpunode yet"),
         ("unknown-key.yaml", "line 6: unknown key sharing.timeSlicing.resources[0].replica "),
     ],
 )

@@ -159,7 +159,7 @@ def test_mps_is_parsed_and_refused_clearly(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         load(tmp_path, "mps.yaml")
     assert "sharing.mps: MPS sharing is not supported by gpunode yet" in err.value.message
-    assert "line 4" in err.value.message and "sharing.timeSlicing" in (err.value.fix or "")
+    assert "line 3" in err.value.message and "sharing.timeSlicing" in (err.value.fix or "")
 
 
 def test_an_mps_section_that_shares_nothing_is_accepted(tmp_path: Path) -> None:
@@ -381,3 +381,22 @@ def test_advertise_reads_sharing_from_an_installed_nvidia_file(tmp_path: Path) -
     assert plugin_sharing(Host(root=tmp_path, env={})) == LabelSharing(replicas=10, rename_by_default=True)
     target.write_text((FIXTURES / "time-slicing-devices.json").read_text())
     assert plugin_sharing(Host(root=tmp_path, env={})) == LabelSharing(replicas=4, rename_by_default=True)
+
+
+def test_an_entry_for_a_resource_the_node_lacks_is_logged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from gpunode.plugin.lifecycle import _warn_unused_sharing
+
+    config = load(tmp_path, "mig-mixed-sharing.yaml")
+    resources = build_resources(
+        simulated_inventory("pcie-4"),
+        mig_strategy="mixed",
+        sharing=Sharing(resources=config.shared_resources),
+    )
+    with caplog.at_level("WARNING", logger="gpunode.plugin"):
+        _warn_unused_sharing(config, resources)
+    assert [r.getMessage().split(" is not")[0] for r in caplog.records] == [
+        "time-slicing.resources: nvidia.com/mig-1g.5gb",
+        "time-slicing.resources: nvidia.com/mig-2g.10gb",
+    ]
