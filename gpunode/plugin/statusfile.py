@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,6 +79,8 @@ def _unit_environment(host: Host, unit: str, properties: Mapping[str, str]) -> l
 
 
 def _split(text: str) -> list[str]:
+    import shlex  # only `plugin status` reads a unit's settings; the plugin imports this module too
+
     try:
         return shlex.split(text, comments=True)
     except ValueError:  # an unbalanced quote: systemd would not have loaded it either
