@@ -167,6 +167,27 @@ def _switch(flag: str, env: str, text: str) -> Callable[[F], F]:
     "Seconds a GPU must stay fine before it is healthy again; 0: never (default 60).",
     "SECONDS",
 )
+@_flag(
+    "--metrics-address",
+    "GPUNODE_METRICS_ADDRESS",
+    'Serve Prometheus metrics on HOST:PORT (e.g. 127.0.0.1:9402); "" (the default): off.',
+    "HOST:PORT",
+)
+@_switch(
+    "--events", "GPUNODE_EVENTS_ENABLED", "Report GPU health as Node Events and the GPUHealthy condition."
+)
+@_flag(
+    "--events-kubeconfig",
+    "GPUNODE_EVENTS_KUBECONFIG",
+    "The node's kubeconfig for Events and the condition (default /etc/kubernetes/kubelet.conf).",
+    "PATH",
+)
+@_flag(
+    "--node-name",
+    "GPUNODE_NODE_NAME",
+    "This node's name in Kubernetes (default: as kubelet names it).",
+    "NAME",
+)
 @click.pass_context
 def run(
     ctx: click.Context,
@@ -203,6 +224,10 @@ def run(
     ignored_xids: str | None,
     critical_xids: str | None,
     recovery_quiet_period: str | None,
+    metrics_address: str | None,
+    events: bool | None,
+    events_kubeconfig: str | None,
+    node_name: str | None,
 ) -> None:
     """Run the device plugin: serve the GPUs to kubelet until SIGTERM; SIGHUP reloads.
 
@@ -241,6 +266,10 @@ def run(
         "health.ignored_xids": ignored_xids,
         "health.critical_xids": critical_xids,
         "health.recovery_quiet_period": recovery_quiet_period,
+        "metrics_address": metrics_address,
+        "events_enabled": events,
+        "events_kubeconfig": events_kubeconfig,
+        "node_name": node_name,
     }
     if show_config or as_json:
         _show_config(app_state.host, config, flags, as_json=as_json, show_config=show_config)

@@ -214,6 +214,13 @@ class KubeClient:
         op = _Op("patch", "nodes", name)
         return self._json(self._request("PATCH", _node_path(name), op, MERGE_PATCH, _dumps(merge_patch)), op)
 
+    def create_event(self, namespace: str, event: dict[str, Any]) -> dict[str, Any]:
+        """Create a core v1 Event (POST /api/v1/namespaces/NS/events); the Event as stored."""
+        name = str(event.get("metadata", {}).get("name", ""))
+        op = _Op("create", "events", name)
+        path = f"/api/v1/namespaces/{quote(namespace, safe='')}/events"
+        return self._json(self._request("POST", path, op, "application/json", _dumps(event)), op)
+
     def update_node_status(
         self, name: str, compute: Callable[[dict[str, Any]], JsonPatch | None]
     ) -> dict[str, Any]:

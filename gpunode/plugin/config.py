@@ -27,6 +27,7 @@ PLACEMENTS = ("spread", "packed")
 # kubelet's rule for extended resource names (see deviceplugin-v1beta1.md, "What kubelet does" 1).
 _NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_NODE = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")  # RFC 1123 subdomain
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,13 @@ class PluginConfig:
     imex_channel_ids: tuple[int, ...] = ()
     imex_required: bool = False
     health: HealthSettings = field(default_factory=HealthSettings)
+    # Prometheus metrics: "" is off (the default: an unauthenticated HTTP listener on every GPU node is the
+    # operator's choice, and a scraper off the node needs an address only they can pick); "HOST:PORT" on.
+    metrics_address: str = ""
+    # Events and the GPUHealthy condition on the Node, written with the node's own credentials.
+    events_enabled: bool = True
+    events_kubeconfig: str = ""  # "": kubelet's kubeconfig (/etc/kubernetes/kubelet.conf)
+    node_name: str = ""  # "": kubelet's way ($NODE_NAME, --hostname-override, the host name)
     # Where each setting came from ("default", "file <path>", "env NAME", "flag --x"), for `--show-config`.
     origins: Mapping[str, str] = field(default_factory=dict, compare=False)
 
@@ -278,6 +286,31 @@ def _path_or_empty(value: Any, where: str) -> str:
     return "" if value == "" else _absolute_path(value, where)
 
 
+def _listen_address(value: Any, where: str) -> str:
+    """Off ("") or HOST:PORT, [V6]:PORT; checked here so that a typo stops the start, not the scrape."""
+    if value == "":
+        return ""
+    text = value if isinstance(value, str) else ""
+    host, colon, port = text.rpartition(":")
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not colon or not bare or (":" in bare and not host.startswith("[")) or not port.isdigit():
+        raise ConfigError(
+            f"{where}: {value!r} is not HOST:PORT",
+            'write e.g. "127.0.0.1:9402", "0.0.0.0:9402" or "[::1]:9402"; "" turns metrics off',
+        )
+    if not 0 < int(port) < 65536:
+        raise ConfigError(f"{where}: port {port} is not between 1 and 65535")
+    return text
+
+
+def _node_name(value: Any, where: str) -> str:
+    if value == "":
+        return ""
+    if not isinstance(value, str) or len(value) > 253 or not _NODE.fullmatch(value):
+        raise ConfigError(f"{where}: {value!r} is not a node name", "use the name `kubectl get nodes` shows")
+    return value
+
+
 def _annotation_prefix(value: Any, where: str) -> str:
     if not isinstance(value, str) or not value.endswith("/") or resource_name_problem(value + "x"):
         raise ConfigError(f"{where}: {value!r} is not an annotation prefix such as cdi.k8s.io/")
@@ -334,6 +367,12 @@ OPTIONS: tuple[Option, ...] = (
            _xids),
     Option("health.recovery_quiet_period", "health.recovery-quiet-period",
            "GPUNODE_HEALTH_RECOVERY_QUIET_PERIOD", "--recovery-quiet-period", _seconds),
+    Option("metrics_address", "metrics.address", "GPUNODE_METRICS_ADDRESS", "--metrics-address",
+           _listen_address),
+    Option("events_enabled", "events.enabled", "GPUNODE_EVENTS_ENABLED", "--events", _bool),
+    Option("events_kubeconfig", "events.kubeconfig", "GPUNODE_EVENTS_KUBECONFIG", "--events-kubeconfig",
+           _path_or_empty),
+    Option("node_name", "node-name", "GPUNODE_NODE_NAME", "--node-name", _node_name),
 )  # fmt: skip
 
 _BY_KEY = {o.key: o for o in OPTIONS}

@@ -37,6 +37,7 @@ cdi-annotation-prefix = "cdi.example.com/"
 gds-enabled = true
 mofed-enabled = true
 gdrcopy-enabled = true
+node-name = "gpu-node-7"
 
 [time-slicing]
 replicas = 4
@@ -58,6 +59,13 @@ enabled = true
 ignored-xids = [13, 31]
 critical-xids = [43]
 recovery-quiet-period = 5
+
+[metrics]
+address = "127.0.0.1:9402"
+
+[events]
+enabled = false
+kubeconfig = "/etc/kubernetes/node.conf"
 """
 
 
@@ -106,6 +114,8 @@ def test_every_option_from_the_file(tmp_path: Path) -> None:
     assert config.health.ignored_xids == {13, 31}
     assert config.health.critical_xids == {43}
     assert config.health.recovery_quiet_period == 5.0
+    assert (config.metrics_address, config.events_enabled) == ("127.0.0.1:9402", False)
+    assert (config.events_kubeconfig, config.node_name) == ("/etc/kubernetes/node.conf", "gpu-node-7")
     # Every option in the table is in the example, so the README's example stays complete.
     assert {o.key for o in OPTIONS} == {
         key for key, _, origin in describe(config) if origin.startswith("file")

@@ -1,0 +1,341 @@
+"""The device plugin's health, told to Kubernetes: Events on the Node and the Node condition GPUHealthy.
+
+Written with the node's own identity where the node has one: kubelet's kubeconfig
+(/etc/kubernetes/kubelet.conf, user system:node:<name>). What that identity may do decides the requests:
+- Events: the Node authorizer lets kubelets write events, and the system:node role grants create on
+  core v1 `events`. Each Event is what kubelet itself records about its node: a core v1 Event in the
+  `default` namespace (a cluster-scoped object's events live there) whose involvedObject is the Node,
+  with the node's name as UID, as kubelet's node reference has it — so no read of the Node is needed.
+- The condition: kubelets may patch their own node's status (NodeRestriction refuses other nodes); it is
+  one JSON patch of /status/conditions on nodes/status, guarded by the resourceVersion that was read
+  (KubeClient.update_node_status), written only when status, reason or message change. kubelet's own
+  status updates patch only the condition types it owns, so GPUHealthy stays.
+
+Nothing here may slow the plugin: the event loop only appends to a bounded queue (a full queue drops the
+report and counts it) or replaces the wanted condition (only the newest matters); one background thread
+does the requests, each with a short timeout and no retries (the next change or the periodic re-check
+sends again). Events are rate-limited (a token bucket) so a flapping GPU cannot flood the API.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from gpunode.errors import GpunodeError
+from gpunode.host import Host
+from gpunode.kube.client import JsonPatch, KubeClient, RetryPolicy, Timeouts
+from gpunode.kube.credentials import KUBELET_KUBECONFIG
+from gpunode.plugin.observe import DeviceRecord, HealthReporter, Transition
+
+if TYPE_CHECKING:
+    from gpunode.plugin.config import PluginConfig
+
+log = logging.getLogger("gpunode.plugin")
+
+CONDITION = "GPUHealthy"
+COMPONENT = "gpunode-device-plugin"
+EVENT_NAMESPACE = "default"
+QUEUE_SIZE = 64
+BURST = 10  # events sent at once before the rate limit holds
+REFILL = 6.0  # seconds per further event (10 a minute)
+TIMEOUTS = Timeouts(connect=3.0, read=5.0, total=8.0)
+XID_CATALOGUE = "https://docs.nvidia.com/deploy/xid-errors/"
+
+
+def condition_ops(
+    node: dict[str, Any], condition: dict[str, Any] | None, now: str | None = None
+) -> JsonPatch:
+    """JSON patch ops that make the node's GPUHealthy condition `condition` (type, status, reason, message;
+    None: remove it); [] when it is already so. Both times are set as kubelet sets its own: the heartbeat
+    at each write, the transition kept while the status stays."""
+    stamp = now or _now()
+    status = node.get("status")
+    conditions = status.get("conditions") if isinstance(status, dict) else None
+    value = None
+    if condition is not None:
+        value = {**condition, "lastHeartbeatTime": stamp, "lastTransitionTime": stamp}
+    if not isinstance(conditions, list):
+        return [] if value is None else [{"op": "add", "path": "/status/conditions", "value": [value]}]
+    for i, existing in enumerate(conditions):
+        if isinstance(existing, dict) and existing.get("type") == CONDITION:
+            # A `test` of the type first: should the list have moved, the patch fails instead of replacing
+            # another condition (the resourceVersion guard catches that too; this says what it protects).
+            test = {"op": "test", "path": f"/status/conditions/{i}/type", "value": CONDITION}
+            if value is None:
+                return [test, {"op": "remove", "path": f"/status/conditions/{i}"}]
+            if all(existing.get(k) == value[k] for k in ("status", "reason", "message")):
+                return []
+            if existing.get("status") == value["status"] and existing.get("lastTransitionTime"):
+                value["lastTransitionTime"] = existing["lastTransitionTime"]
+            return [test, {"op": "replace", "path": f"/status/conditions/{i}", "value": value}]
+    return [] if value is None else [{"op": "add", "path": "/status/conditions/-", "value": value}]
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def describe(record_or_transition: DeviceRecord | Transition) -> str:
+    device = record_or_transition.device
+    where = f"GPU {device.gpu_index}" if device.mig is None else f"a MIG device on GPU {device.gpu_index}"
+    return f"{record_or_transition.resource} device {device.id} ({where}, {device.uuid})"
+
+
+def fix_for(reason: str, device_index: int) -> str:
+    if "Xid" in reason:
+        return (
+            f"look the Xid up in NVIDIA's catalogue ({XID_CATALOGUE}); drain the node, then reset the GPU "
+            f"(`nvidia-smi -r -i {device_index}`) or reboot; the plugin marks it healthy again once it stays "
+            "free of errors for health.recovery-quiet-period"
+        )
+    if "lost" in reason or "bus" in reason:
+        return (
+            "the GPU fell off the bus: drain the node and reboot it; if it recurs, check the GPU's power "
+            "and seating"
+        )
+    if "ECC" in reason:
+        return (
+            "drain the node and reset the GPU or reboot (a retired page needs a reset); replace the GPU if "
+            "it recurs"
+        )
+    return "drain the node and check the GPU with `gpunode doctor` and `nvidia-smi -q`"
+
+
+class NodeReporter(HealthReporter):
+    """Events and the condition for one node, sent by a background thread. See the module docstring."""
+
+    def __init__(
+        self,
+        node: str,
+        connect: Callable[[], KubeClient],
+        *,
+        burst: int = BURST,
+        refill: float = REFILL,
+        queue_size: int = QUEUE_SIZE,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.node = node
+        self._connect = connect
+        self._client: KubeClient | None = None
+        self._queue: queue.Queue[dict[str, Any]] = queue.Queue(maxsize=queue_size)
+        self._wanted: dict[str, Any] | None = None  # the newest condition not yet sent
+        self._have_wanted = False
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._clock = clock
+        self._burst, self._refill = burst, refill
+        self._tokens = float(burst)
+        self._filled = clock()
+        self._failing: set[str] = set()  # resources whose registration failure was reported
+        self._last_error: str | None = None
+        self._thread = threading.Thread(target=self._run, name="gpunode-events", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_node_credentials(cls, host: Host, config: PluginConfig) -> NodeReporter | None:
+        """A reporter with the node's own kubeconfig, or None (logged) when the node has none."""
+        from gpunode import kubelet
+
+        path = config.events_kubeconfig or KUBELET_KUBECONFIG
+        if not host.is_file(path):
+            if config.events_kubeconfig:
+                log.error(
+                    "events.kubeconfig %s does not exist; no Events and no %s condition (fix: point it at "
+                    "the node's kubeconfig, or set events.enabled = false)",
+                    path,
+                    CONDITION,
+                )
+            else:
+                log.info(
+                    "no kubelet kubeconfig at %s: health is not reported as Events or the %s condition "
+                    "(set events.kubeconfig to the node's kubeconfig to turn it on)",
+                    path,
+                    CONDITION,
+                )
+            return None
+        try:
+            node = config.node_name or kubelet.node_name(host)[0]
+        except GpunodeError as err:
+            log.error("%s; no Events and no %s condition (fix: %s)", err.message, CONDITION, err.fix)
+            return None
+
+        def connect() -> KubeClient:
+            # One attempt per request: the next change or re-check sends again; retries would only keep
+            # this thread on a dead API while newer state waits.
+            return KubeClient.from_host(
+                host, kubeconfig=path, timeouts=TIMEOUTS, retry=RetryPolicy(attempts=1, conflict_attempts=3)
+            )
+
+        log.info("reporting GPU health to node %s as Events and the %s condition (%s)", node, CONDITION, path)
+        return cls(node, connect)
+
+    # -- called from the event loop: never blocks -------------------------------------------------
+
+    def device_changed(self, transition: Transition) -> None:
+        what = describe(transition)
+        if transition.healthy:
+            self._event("Normal", "GPURecovered", f"{what} is healthy again (it was: {transition.reason})")
+        else:
+            fix = fix_for(transition.reason, transition.device.gpu_index)
+            self._event(
+                "Warning",
+                "GPUUnhealthy",
+                f"{what} is unhealthy: {transition.reason}; pods are no longer given it. Fix: {fix}",
+            )
+
+    def condition(self, unhealthy: list[DeviceRecord], *, served: bool) -> None:
+        if unhealthy:
+            shown = "; ".join(f"{describe(r)}: {r.reason}" for r in unhealthy[:20])
+            more = f"; and {len(unhealthy) - 20} more" if len(unhealthy) > 20 else ""
+            wanted = {
+                "type": CONDITION,
+                "status": "False",
+                "reason": "GPUUnhealthy",
+                "message": f"{len(unhealthy)} unhealthy: {shown}{more}",
+            }
+        else:
+            wanted = {
+                "type": CONDITION,
+                "status": "True",
+                "reason": "GPUsHealthy" if served else "NoGPUsServed",
+                "message": "every device gpunode serves is healthy" if served else "gpunode serves no GPUs",
+            }
+        with self._lock:
+            self._wanted = wanted
+            self._have_wanted = True
+        self.condition_sent = True  # handed over: the thread sends the newest
+        self._wake.set()
+
+    def registered(self, resource: str) -> None:
+        if resource in self._failing:
+            self._failing.discard(resource)
+            self._event("Normal", "DevicePluginRegistered", f"{resource}: registered with kubelet again")
+
+    def register_failed(self, resource: str, why: str, *, refused: bool) -> None:
+        if resource in self._failing:
+            return  # once per failure streak: retries every few seconds must not each be an Event
+        self._failing.add(resource)
+        fix = (
+            "check resource-name (kubelet accepts <domain>/<name> outside kubernetes.io)"
+            if refused
+            else "check that kubelet runs (`systemctl status kubelet`) and uses the plugin's socket "
+            "directory; `gpunode doctor` checks both"
+        )
+        self._event(
+            "Warning",
+            "DevicePluginRegistrationFailed",
+            f"{resource}: the device plugin cannot register with kubelet: {why}. Fix: {fix}",
+        )
+
+    def stop(self, timeout: float = 2.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+        if self._client is not None:
+            self._client.close()
+
+    def _event(self, kind: str, reason: str, message: str) -> None:
+        now = self._clock()
+        self._tokens = min(float(self._burst), self._tokens + (now - self._filled) / self._refill)
+        self._filled = now
+        if self._tokens < 1.0:
+            self.dropped += 1
+            return
+        self._tokens -= 1.0
+        stamp = _now()
+        event = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"name": f"{self.node}.{uuid.uuid4().hex[:16]}", "namespace": EVENT_NAMESPACE},
+            "involvedObject": {"apiVersion": "v1", "kind": "Node", "name": self.node, "uid": self.node},
+            "reason": reason,
+            "message": message[:1024],  # the API's limit on an Event's message
+            "type": kind,
+            "source": {"component": COMPONENT, "host": self.node},
+            "reportingComponent": COMPONENT,
+            "reportingInstance": self.node,
+            "firstTimestamp": stamp,
+            "lastTimestamp": stamp,
+            "count": 1,
+        }
+        try:
+            self._queue.put_nowait(event)
+        except queue.Full:
+            self.dropped += 1
+            return
+        self._wake.set()
+
+    # -- the background thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait()
+            self._wake.clear()
+            while not self._stop.is_set():
+                try:
+                    event = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                self._send(self._event_request(event), "record an Event")
+            with self._lock:
+                wanted, have = self._wanted, self._have_wanted
+                self._have_wanted = False
+            if have and not self._stop.is_set():
+                ok = self._send(self._condition_request(wanted), f"set the {CONDITION} condition")
+                if not ok:
+                    with self._lock:
+                        if not self._have_wanted:  # nothing newer: try this one again at the next wake
+                            self._wanted, self._have_wanted = wanted, True
+                    self._stop.wait(5.0)
+                    self._wake.set()
+
+    def _event_request(self, event: dict[str, Any]) -> Callable[[KubeClient], object]:
+        return lambda client: client.create_event(EVENT_NAMESPACE, event)
+
+    def _condition_request(self, wanted: dict[str, Any] | None) -> Callable[[KubeClient], object]:
+        def request(client: KubeClient) -> object:
+            return client.update_node_status(self.node, lambda node: condition_ops(node, wanted))
+
+        return request
+
+    def _send(self, request: Callable[[KubeClient], object], what: str) -> bool:
+        try:
+            if self._client is None:
+                self._client = self._connect()
+            request(self._client)
+        except GpunodeError as err:
+            self.failed += 1
+            if err.message != self._last_error:  # the same failure every few seconds is logged once
+                self._last_error = err.message
+                log.warning("cannot %s on node %s: %s (fix: %s)", what, self.node, err.message, err.fix)
+            return False
+        except Exception:  # this thread must survive anything a request raises
+            self.failed += 1
+            log.exception("cannot %s on node %s", what, self.node)
+            return False
+        self.sent += 1
+        self._last_error = None
+        return True
+
+
+def remove_condition(client: KubeClient, node: str, *, dry_run: bool = False) -> bool:
+    """Remove GPUHealthy from the node (node withdraw, down); True if it was there."""
+    if dry_run:
+        return bool(condition_ops(client.get_node(node), None))
+    removed = False
+
+    def compute(current: dict[str, Any]) -> JsonPatch:
+        nonlocal removed
+        ops = condition_ops(current, None)
+        removed = bool(ops)
+        return ops
+
+    client.update_node_status(node, compute)
+    return removed

@@ -1,0 +1,341 @@
+"""Prometheus metrics of `gpunode plugin run` (the only module that imports prometheus_client).
+
+Three kinds of figures, each read where it is cheapest:
+- device and resource state is computed at scrape time from the HealthTracker's records (no per-device
+  series to keep in step, no stale series for a device that is gone);
+- calls (Allocate, GetPreferredAllocation, ListAndWatch) are counted by a subclass of the gRPC service,
+  with the labelled children bound once per resource so a call pays one clock read, one histogram
+  observe and one counter increment (a few microseconds against a call of ~100 us and up);
+- registrations, kubelet restarts and the reporter's requests are counted as they happen.
+The library's process and platform collectors are included. GPU telemetry (clocks, temperatures,
+utilisation, ECC counts) is DCGM's: dcgm-exporter publishes it, and nothing here repeats it.
+
+The registry is this plugin's own (not the library's global one), so tests can run several plugins in
+one process.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter as Tally
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import grpc
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    start_http_server,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from gpunode.errors import ConfigError
+from gpunode.plugin.api import deviceplugin_pb2 as pb
+from gpunode.plugin.devices import DeviceRegistry
+from gpunode.plugin.observe import HealthReporter, HealthTracker, MetricsSink
+from gpunode.plugin.preferred import Topology
+from gpunode.plugin.server import DevicePluginService, ServeSettings
+
+log = logging.getLogger("gpunode.plugin")
+
+# Allocate and GetPreferredAllocation take ~0.1-1 ms on a node; the upper buckets catch a loaded host.
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)
+# kubelet.sock appearing → registered: sub-second when the plugin runs, up to minutes after a plugin start.
+DELAY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0, 3600.0)
+DEVICE_LABELS = ("resource", "device", "uuid", "index")
+
+# Why a call was refused, by the gRPC status the servicer answered: the reasons server.py and allocate.py
+# give, without their free text (a label must have few values).
+REFUSAL_REASONS = {
+    "INVALID_ARGUMENT": "invalid_request",  # unknown, repeated or too many device IDs; more than 1 shared
+    "FAILED_PRECONDITION": "unhealthy_device",
+    "DEADLINE_EXCEEDED": "deadline_passed",
+    "UNAVAILABLE": "not_served",
+    "RESOURCE_EXHAUSTED": "too_many_streams",
+}
+
+
+class PluginMetrics(MetricsSink):
+    def __init__(self, tracker: HealthTracker) -> None:
+        self.tracker = tracker
+        self.registry = CollectorRegistry(auto_describe=False)
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
+        r = self.registry
+        self.allocations = Counter(
+            "gpunode_allocations", "Containers given devices by Allocate.", ["resource"], registry=r
+        )
+        self.allocate_seconds = Histogram(
+            "gpunode_allocate_duration_seconds",
+            "Time the plugin took to answer Allocate (successful calls).",
+            ["resource"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.preferred_seconds = Histogram(
+            "gpunode_preferred_allocation_duration_seconds",
+            "Time the plugin took to answer GetPreferredAllocation.",
+            ["resource"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.refusals = Counter(
+            "gpunode_refusals",
+            "Calls the plugin refused, by call and reason.",
+            ["resource", "call", "reason"],
+            registry=r,
+        )
+        self.allocatable = Gauge(
+            "gpunode_resource_devices_allocatable",
+            "Healthy devices in the last ListAndWatch answer sent to kubelet (what kubelet counts as "
+            "allocatable).",
+            ["resource"],
+            registry=r,
+        )
+        self.streams = Gauge(
+            "gpunode_resource_watch_streams", "ListAndWatch streams open now.", ["resource"], registry=r
+        )
+        self.registrations = Counter(
+            "gpunode_registrations", "Registrations kubelet accepted.", ["resource"], registry=r
+        )
+        self.registration_failures = Counter(
+            "gpunode_registration_failures",
+            "Registrations that failed: kubelet unreachable (unavailable) or said no (refused).",
+            ["resource", "reason"],
+            registry=r,
+        )
+        self.kubelet_restarts = Counter(
+            "gpunode_kubelet_restarts",
+            "New kubelets (a new kubelet.sock) the plugin registered with after the first.",
+            registry=r,
+        )
+        self.registration_delay = Histogram(
+            "gpunode_registration_delay_seconds",
+            "Seconds from kubelet.sock's creation to the plugin's registration with that kubelet.",
+            ["resource"],
+            buckets=DELAY_BUCKETS,
+            registry=r,
+        )
+        self.reporter: HealthReporter | None = None
+        r.register(_StateCollector(self))
+        self._server: Any = None
+        self._thread: Any = None
+
+    @classmethod
+    def serve(cls, address: str, tracker: HealthTracker) -> PluginMetrics:
+        """Metrics served over HTTP at http://ADDRESS/metrics (any path answers, as the library does)."""
+        metrics = cls(tracker)
+        host, _, port = address.rpartition(":")
+        host = host.strip("[]")
+        try:
+            metrics._server, metrics._thread = start_http_server(int(port), host, metrics.registry)
+        except OSError as exc:
+            raise ConfigError(
+                f"metrics.address {address}: cannot listen there: {exc.strerror or exc}",
+                "pick a free port and an address of this node (metrics.address, GPUNODE_METRICS_ADDRESS, "
+                '--metrics-address), or "" to turn metrics off',
+            ) from exc
+        log.info("metrics: serving Prometheus metrics on http://%s/metrics", address)
+        return metrics
+
+    @property
+    def port(self) -> int:
+        return int(self._server.server_port) if self._server is not None else 0
+
+    # -- MetricsSink ------------------------------------------------------------------------------
+
+    def registered(self, resource: str, *, restart: bool, delay: float | None) -> None:
+        self.registrations.labels(resource).inc()
+        if restart:
+            self.kubelet_restarts.inc()
+        if delay is not None:
+            self.registration_delay.labels(resource).observe(delay)
+
+    def register_failed(self, resource: str, *, refused: bool) -> None:
+        self.registration_failures.labels(resource, "refused" if refused else "unavailable").inc()
+
+    def service(
+        self, resource: str, registry: DeviceRegistry, topology: Topology, settings: ServeSettings
+    ) -> DevicePluginService:
+        return InstrumentedService(resource, registry, topology, settings, self)
+
+    def watch_reporter(self, reporter: HealthReporter) -> None:
+        self.reporter = reporter
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+    def exposition(self) -> bytes:
+        """The text a scrape gets (for tests and the benchmark, without HTTP)."""
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
+
+
+class InstrumentedService(DevicePluginService):
+    """The plugin's gRPC service, timed and counted. Only served with metrics on: without them the plain
+    service runs and pays nothing."""
+
+    def __init__(
+        self,
+        resource_name: str,
+        registry: DeviceRegistry,
+        topology: Topology,
+        settings: ServeSettings,
+        metrics: PluginMetrics,
+    ) -> None:
+        super().__init__(resource_name, registry, topology, settings)
+        self._metrics = metrics
+        # Children bound once: a labels() lookup per call would cost a lock and a dict look-up.
+        self._allocations = metrics.allocations.labels(resource_name)
+        self._allocate_seconds = metrics.allocate_seconds.labels(resource_name)
+        self._preferred_seconds = metrics.preferred_seconds.labels(resource_name)
+        self._allocatable = metrics.allocatable.labels(resource_name)
+        self._streams_open = metrics.streams.labels(resource_name)
+
+    def _refused(self, call: str, context: grpc.ServicerContext) -> None:
+        code = getattr(context, "code", lambda: None)()
+        name = code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
+        reason = REFUSAL_REASONS.get(name, name.lower())
+        self._metrics.refusals.labels(self.resource_name, call, reason).inc()
+
+    def Allocate(self, request: pb.AllocateRequest, context: grpc.ServicerContext) -> pb.AllocateResponse:
+        start = time.perf_counter()
+        try:
+            response = super().Allocate(request, context)
+        except Exception:
+            self._refused("Allocate", context)
+            raise
+        self._allocate_seconds.observe(time.perf_counter() - start)
+        self._allocations.inc(len(response.container_responses))
+        return response
+
+    def GetPreferredAllocation(
+        self, request: pb.PreferredAllocationRequest, context: grpc.ServicerContext
+    ) -> pb.PreferredAllocationResponse:
+        start = time.perf_counter()
+        try:
+            response = super().GetPreferredAllocation(request, context)
+        except Exception:
+            self._refused("GetPreferredAllocation", context)
+            raise
+        self._preferred_seconds.observe(time.perf_counter() - start)
+        return response
+
+    def ListAndWatch(
+        self, request: pb.Empty, context: grpc.ServicerContext
+    ) -> Iterator[pb.ListAndWatchResponse]:
+        stream = super().ListAndWatch(request, context)
+        self._streams_open.inc()
+        try:
+            for response in stream:
+                self._allocatable.set(sum(1 for d in response.devices if d.health == "Healthy"))
+                yield response
+        except Exception:
+            self._refused("ListAndWatch", context)
+            raise
+        finally:
+            self._streams_open.dec()
+
+
+class _StateCollector(Collector):
+    """Device and resource state, and the reporter's counts, computed when scraped."""
+
+    def __init__(self, metrics: PluginMetrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterable[Metric]:
+        tracker = self._metrics.tracker
+        now = tracker.now()
+        healthy = GaugeMetricFamily(
+            "gpunode_device_healthy",
+            "1 if the device is healthy (served as Healthy to kubelet).",
+            labels=DEVICE_LABELS,
+        )
+        monitored = GaugeMetricFamily(
+            "gpunode_device_monitored",
+            "1 if the health monitor watches the device's GPU (Xid and ECC events).",
+            labels=DEVICE_LABELS,
+        )
+        state = GaugeMetricFamily(
+            "gpunode_device_state_info",
+            'The device\'s state and its reason ("healthy", or why it is not); always 1.',
+            labels=(*DEVICE_LABELS, "state", "reason"),
+        )
+        seconds = GaugeMetricFamily(
+            "gpunode_device_state_seconds",
+            "Seconds the device has been in its current state (since the plugin saw it change).",
+            labels=DEVICE_LABELS,
+        )
+        xid = GaugeMetricFamily(
+            "gpunode_device_last_critical_xid",
+            "The last critical Xid that made the device unhealthy; 0 if none since the plugin started.",
+            labels=DEVICE_LABELS,
+        )
+        recoveries = CounterMetricFamily(
+            "gpunode_device_recoveries",
+            "Times the device became healthy again after being unhealthy.",
+            labels=DEVICE_LABELS,
+        )
+        advertised: Tally[str] = Tally()
+        healthy_count: Tally[str] = Tally()
+        for record in tracker.records():
+            device = record.device
+            labels = [record.resource, device.id, device.uuid, _index(device)]
+            advertised[record.resource] += 1
+            healthy_count[record.resource] += int(record.healthy)
+            healthy.add_metric(labels, 1.0 if record.healthy else 0.0)
+            monitored.add_metric(labels, 1.0 if record.monitored else 0.0)
+            state.add_metric([*labels, "healthy" if record.healthy else "unhealthy", record.reason], 1.0)
+            seconds.add_metric(labels, max(0.0, now - record.since))
+            xid.add_metric(labels, float(record.last_critical_xid))
+            recoveries.add_metric(labels, float(record.recoveries))
+        yield from (healthy, monitored, state, seconds, xid, recoveries)
+        served = GaugeMetricFamily(
+            "gpunode_resource_devices_advertised",
+            "Devices the plugin serves for the resource.",
+            labels=["resource"],
+        )
+        good = GaugeMetricFamily(
+            "gpunode_resource_devices_healthy", "Healthy devices of the resource.", labels=["resource"]
+        )
+        for resource, count in advertised.items():
+            served.add_metric([resource], float(count))
+            good.add_metric([resource], float(healthy_count[resource]))
+        yield served
+        yield good
+        reporter = self._metrics.reporter
+        if reporter is not None:
+            requests = CounterMetricFamily(
+                "gpunode_kube_requests",
+                "Requests to the Kubernetes API for Events and the GPUHealthy condition, by outcome.",
+                labels=["outcome"],
+            )
+            requests.add_metric(["sent"], float(reporter.sent))
+            requests.add_metric(["failed"], float(reporter.failed))
+            yield requests
+            dropped = CounterMetricFamily(
+                "gpunode_kube_reports_dropped",
+                "Events or condition updates dropped (queue full or rate limit) so the plugin never waits on "
+                "the API.",
+            )
+            dropped.add_metric([], float(reporter.dropped))
+            yield dropped
+
+
+def _index(device: Any) -> str:
+    mig = device.mig
+    if mig is not None and mig.gpu_instance_id is not None and mig.compute_instance_id is not None:
+        return f"{device.gpu_index}:{mig.gpu_instance_id}:{mig.compute_instance_id}"
+    return str(device.gpu_index)

@@ -1,0 +1,289 @@
+"""What the plugin tells people about itself: device health over time, for metrics, Events and a Node
+condition.
+
+The event loop (lifecycle.Plugin) calls a `PluginObserver` at a handful of points: after every status
+update (health changes included), when a registration with kubelet succeeds or fails, and when it makes a
+resource's gRPC service. `HealthTracker` turns the registry's marks into per-device records (since when,
+last critical Xid, recoveries) and transitions; `start_observer` wires the Prometheus endpoint
+(gpunode.plugin.metrics, only when metrics.address is set) and the Kubernetes reporter
+(gpunode.kube.events, only with the node's credentials). Nothing here blocks the loop: the metrics are
+read by the scrape's own thread and the API is written by the reporter's.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from gpunode.errors import GpunodeError
+from gpunode.host import Host
+from gpunode.plugin.devices import DeviceRegistry, PluginDevice
+
+if TYPE_CHECKING:
+    from gpunode.plugin.config import PluginConfig
+    from gpunode.plugin.lifecycle import PluginStatus
+    from gpunode.plugin.preferred import Topology
+    from gpunode.plugin.server import DevicePluginService, ServeSettings
+
+log = logging.getLogger("gpunode.plugin")
+
+_XID = re.compile(r"\bXid (\d+)")
+
+
+@dataclass
+class DeviceRecord:
+    """One served device's health as people see it (updated by the event loop, read by scrapes)."""
+
+    resource: str
+    device: PluginDevice
+    healthy: bool
+    monitored: bool
+    reason: str  # "healthy", or why it is not
+    since: float  # monotonic time the current state began
+    last_critical_xid: int = 0  # 0: none seen
+    recoveries: int = 0
+
+
+@dataclass(frozen=True)
+class Transition:
+    """A unit (GPU or MIG instance) turned unhealthy or recovered; one per unit, not per replica."""
+
+    resource: str
+    device: PluginDevice
+    healthy: bool
+    reason: str  # why it is unhealthy; on recovery, why it was
+
+
+class HealthTracker:
+    """Per-device records, kept across status updates, and the transitions each update brings."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._records: dict[tuple[str, str], DeviceRecord] = {}
+
+    def update(self, registry: DeviceRegistry) -> list[Transition]:
+        now = self._clock()
+        unmonitored = registry.unmonitored()
+        records: dict[tuple[str, str], DeviceRecord] = {}
+        transitions: list[Transition] = []
+        seen_units: set[tuple[str, str, bool]] = set()
+        for resource in registry.resources():
+            _, states = registry.snapshot(resource.name)
+            for state in states:
+                key = (resource.name, state.device.id)
+                old = self._records.get(key)
+                reason = state.reason or "healthy"
+                monitored = state.device.gpu_uuid not in unmonitored
+                if old is not None and old.device.uuid != state.device.uuid:
+                    old = None  # another device under the same ID after a re-discovery
+                if old is None:
+                    record = DeviceRecord(resource.name, state.device, state.healthy, monitored, reason, now)
+                    if not state.healthy:
+                        record.last_critical_xid = _xid(reason)
+                        transitions.append(Transition(resource.name, state.device, False, reason))
+                        seen_units.add((resource.name, state.device.uuid, False))
+                else:
+                    record = old
+                    record.monitored = monitored
+                    if old.healthy != state.healthy or old.reason != reason:
+                        was = old.reason
+                        if state.healthy and not old.healthy:
+                            record.recoveries += 1
+                        if not state.healthy:
+                            record.last_critical_xid = _xid(reason) or record.last_critical_xid
+                        record.healthy, record.reason, record.since = state.healthy, reason, now
+                        # Replicas of one GPU change together: one transition for the unit.
+                        unit = (resource.name, state.device.uuid, state.healthy)
+                        if unit not in seen_units:
+                            seen_units.add(unit)
+                            transitions.append(
+                                Transition(
+                                    resource.name,
+                                    state.device,
+                                    state.healthy,
+                                    was if state.healthy else reason,
+                                )
+                            )
+                records[key] = record
+        with self._lock:
+            self._records = records
+        return transitions
+
+    def records(self) -> list[DeviceRecord]:
+        with self._lock:
+            return list(self._records.values())
+
+    def unhealthy(self) -> list[DeviceRecord]:
+        """One record per unhealthy unit (the first replica), in resource and device order."""
+        seen: set[tuple[str, str]] = set()
+        out = []
+        for record in self.records():
+            unit = (record.resource, record.device.uuid)
+            if not record.healthy and unit not in seen:
+                seen.add(unit)
+                out.append(record)
+        return out
+
+    def now(self) -> float:
+        return self._clock()
+
+
+def _xid(reason: str) -> int:
+    match = _XID.search(reason)
+    return int(match[1]) if match else 0
+
+
+class PluginObserver:
+    """The hooks the event loop calls. This base does nothing, so a plugin without metrics or events pays
+    one method call per hook and serves the plain gRPC service."""
+
+    def on_status(self, status: PluginStatus, registry: DeviceRegistry) -> None:
+        pass
+
+    def registered(self, resource: str, kubelet: tuple[int, int]) -> None:
+        """Registered with the kubelet whose kubelet.sock has this (inode, ctime in ns)."""
+
+    def register_failed(self, resource: str, why: str, *, refused: bool) -> None:
+        pass
+
+    def service(
+        self, resource: str, registry: DeviceRegistry, topology: Topology, settings: ServeSettings
+    ) -> DevicePluginService:
+        from gpunode.plugin.server import DevicePluginService
+
+        return DevicePluginService(resource, registry, topology, settings)
+
+    def stop(self) -> None:
+        pass
+
+
+class HealthObserver(PluginObserver):
+    """Metrics and/or the Kubernetes reporter, fed by one HealthTracker."""
+
+    def __init__(
+        self,
+        tracker: HealthTracker,
+        metrics: MetricsSink | None,
+        reporter: HealthReporter | None,
+    ) -> None:
+        self.tracker = tracker
+        self.metrics = metrics
+        self.reporter = reporter
+        self._kubelet: tuple[int, int] | None = None
+        self._registered_with: dict[str, tuple[int, int]] = {}
+
+    def on_status(self, status: PluginStatus, registry: DeviceRegistry) -> None:
+        transitions = self.tracker.update(registry)
+        if self.reporter is not None:
+            for t in transitions:
+                self.reporter.device_changed(t)
+            if transitions or not self.reporter.condition_sent:
+                self.reporter.condition(self.tracker.unhealthy(), served=bool(self.tracker.records()))
+
+    def registered(self, resource: str, kubelet: tuple[int, int]) -> None:
+        restart = self._kubelet is not None and self._kubelet != kubelet
+        first_with_this_kubelet = self._registered_with.get(resource) != kubelet
+        self._kubelet = kubelet
+        self._registered_with[resource] = kubelet
+        if self.metrics is not None:
+            # kubelet.sock's change time is when this kubelet created it: the delay is how long this
+            # kubelet ran without the resource (at a plugin start: since the kubelet started).
+            delay = max(0.0, time.time() - kubelet[1] / 1e9) if first_with_this_kubelet else None
+            self.metrics.registered(resource, restart=restart, delay=delay)
+        if self.reporter is not None:
+            self.reporter.registered(resource)
+
+    def register_failed(self, resource: str, why: str, *, refused: bool) -> None:
+        if self.metrics is not None:
+            self.metrics.register_failed(resource, refused=refused)
+        if self.reporter is not None:
+            self.reporter.register_failed(resource, why, refused=refused)
+
+    def service(
+        self, resource: str, registry: DeviceRegistry, topology: Topology, settings: ServeSettings
+    ) -> DevicePluginService:
+        if self.metrics is None:
+            return super().service(resource, registry, topology, settings)
+        return self.metrics.service(resource, registry, topology, settings)
+
+    def stop(self) -> None:
+        if self.reporter is not None:
+            self.reporter.stop()
+        if self.metrics is not None:
+            self.metrics.stop()
+
+
+class MetricsSink:
+    """What HealthObserver asks of gpunode.plugin.metrics.PluginMetrics (kept here so that this module
+    does not import prometheus_client)."""
+
+    def registered(self, resource: str, *, restart: bool, delay: float | None) -> None:
+        raise NotImplementedError
+
+    def register_failed(self, resource: str, *, refused: bool) -> None:
+        raise NotImplementedError
+
+    def service(
+        self, resource: str, registry: DeviceRegistry, topology: Topology, settings: ServeSettings
+    ) -> DevicePluginService:
+        raise NotImplementedError
+
+    def watch_reporter(self, reporter: HealthReporter) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+
+class HealthReporter:
+    """What HealthObserver asks of gpunode.kube.events.NodeReporter."""
+
+    condition_sent = False
+    sent = 0  # requests the API accepted
+    failed = 0  # requests that failed (API down, refused)
+    dropped = 0  # reports dropped: the queue was full, or the rate limit held them back
+
+    def device_changed(self, transition: Transition) -> None:
+        raise NotImplementedError
+
+    def condition(self, unhealthy: list[DeviceRecord], *, served: bool) -> None:
+        raise NotImplementedError
+
+    def registered(self, resource: str) -> None:
+        raise NotImplementedError
+
+    def register_failed(self, resource: str, why: str, *, refused: bool) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+
+def start_observer(host: Host, config: PluginConfig, *, simulated: bool) -> PluginObserver:
+    """The observer for this configuration. Neither part may stop the plugin: a metrics address that
+    cannot be bound, or API credentials that do not load, are logged and that part is left off."""
+    tracker = HealthTracker()
+    metrics: MetricsSink | None = None
+    reporter: HealthReporter | None = None
+    if config.metrics_address:
+        from gpunode.plugin.metrics import PluginMetrics
+
+        try:
+            metrics = PluginMetrics.serve(config.metrics_address, tracker)
+        except GpunodeError as err:
+            log.error("%s (fix: %s); serving the devices without metrics", err.message, err.fix)
+    if config.events_enabled and not simulated:
+        from gpunode.kube.events import NodeReporter
+
+        reporter = NodeReporter.from_node_credentials(host, config)
+        if reporter is not None and metrics is not None:
+            metrics.watch_reporter(reporter)
+    if metrics is None and reporter is None:
+        return PluginObserver()
+    return HealthObserver(tracker, metrics, reporter)
