@@ -16,6 +16,13 @@
   patched object carrying a stale metadata.resourceVersion is 409 Conflict; every write that changes the
   node bumps its resourceVersion, and a patch that changes nothing writes nothing; an unknown node is 404,
   an unknown path 404, another Content-Type 415, another method 405.
+- POST /api/v1/namespaces/NS/events creates a core v1 Event, validated as kube-apiserver's legacy
+  validation does for what gpunode sends: metadata.name, the namespace of the URL, an involvedObject
+  whose namespace matches (a cluster-scoped object's events in "default"), type Normal or Warning, a
+  reason, reportingComponent a qualified name; stored in `events`.
+- `node_identity(name)` grants what the Node authorizer gives a kubelet (system:node:NAME): get nodes,
+  patch nodes and nodes/status, create events; NodeRestriction's rule is enforced for every system:node:
+  user: it may change only its own Node (403 with the admission plugin's message).
 - Every error is a Kubernetes `Status` object.
 - Faults for tests: `fail_next(status, count, retry_after)` answers the next requests with an error;
   `delay_next(seconds, count)` sleeps before answering; `modify_node` changes a node as another writer.
@@ -63,6 +70,8 @@ UNSUPPORTED_MEDIA = (
     "application/json-patch+json, application/merge-patch+json, application/apply-patch+yaml"
 )
 NODE_PATH = re.compile(r"^/api/v1/nodes/(?P<name>[^/]+)(?P<status>/status)?$")
+EVENTS_PATH = re.compile(r"^/api/v1/namespaces/(?P<namespace>[^/]+)/events$")
+EVENT_TYPES = ("Normal", "Warning")
 LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 LABEL_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
 DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
@@ -166,6 +175,7 @@ class ApiServer:
         self._streams: list[Stream] = []
         self.streamed = 0  # bytes sent by trickled and flooded answers
         self._log: list[LoggedRequest] = []
+        self._events: list[dict[str, Any]] = []
         self._stopping = threading.Event()
         self._context: ssl.SSLContext | None = None
         if pki is not None:
@@ -216,6 +226,23 @@ class ApiServer:
     def allow(self, user: str, verb: str, resource: str) -> None:
         with self._lock:
             self.rules.add((user, verb, resource))
+
+    def node_identity(self, name: str) -> str:
+        """Allow what the Node authorizer allows kubelet `name`; its user name."""
+        user = f"system:node:{name}"
+        for verb, resource in (
+            ("get", "nodes"),
+            ("patch", "nodes"),
+            ("patch", "nodes/status"),
+            ("create", "events"),
+        ):
+            self.allow(user, verb, resource)
+        return user
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return copy.deepcopy(self._events)
 
     def add_node(
         self,
@@ -436,6 +463,9 @@ class ApiServer:
     def _route(
         self, method: str, path: str, headers: Mapping[str, str], body: bytes, user: tuple[str, str]
     ) -> _Answer:
+        events = EVENTS_PATH.match(path)
+        if events is not None:
+            return self._create_event(method, unquote(events["namespace"]), headers, body, user[0])
         match = NODE_PATH.match(path)
         if match is None:
             raise status(404, "NotFound", "the server could not find the requested resource")
@@ -452,6 +482,15 @@ class ApiServer:
                 "Forbidden",
                 f'nodes "{name}" is forbidden: User "{user[0]}" cannot {verb} resource "{resource}" '
                 'in API group "" at the cluster scope',
+                {"name": name, "kind": "nodes"},
+            )
+        own = user[0].removeprefix("system:node:")
+        if verb == "patch" and own != user[0] and own != name:
+            # NodeRestriction: a kubelet may modify only its own Node object.
+            raise status(
+                403,
+                "Forbidden",
+                f'nodes "{name}" is forbidden: node "{own}" is not allowed to modify node "{name}"',
                 {"name": name, "kind": "nodes"},
             )
         if verb == "get":
@@ -504,6 +543,79 @@ class ApiServer:
                 return _Answer(200, copy.deepcopy(old))  # no change, no write: the resourceVersion stays
             self._store(name, new)
             return _Answer(200, copy.deepcopy(new))
+
+    def _create_event(
+        self, method: str, namespace: str, headers: Mapping[str, str], body: bytes, user: str
+    ) -> _Answer:
+        if method != "POST":
+            raise status(
+                405, "MethodNotAllowed", "the server does not allow this method on the requested resource"
+            )
+        if not self._allowed(user, "create", "events"):
+            raise status(
+                403,
+                "Forbidden",
+                f'events is forbidden: User "{user}" cannot create resource "events" in API group "" in the '
+                f'namespace "{namespace}"',
+                {"kind": "events"},
+            )
+        if headers.get("Content-Type", "").split(";")[0].strip().lower() != "application/json":
+            raise status(415, "UnsupportedMediaType", UNSUPPORTED_MEDIA)
+        try:
+            event = json.loads(body)
+        except ValueError as exc:
+            raise status(400, "BadRequest", f"error decoding event: {exc}") from None
+        if not isinstance(event, dict) or (event.get("apiVersion"), event.get("kind")) != ("v1", "Event"):
+            raise status(400, "BadRequest", "the body is not a v1 Event")
+        problems = _event_problems(namespace, event)
+        if problems:
+            raise status(
+                422,
+                "Invalid",
+                f'Event "{event.get("metadata", {}).get("name", "")}" is invalid: ' + ", ".join(problems),
+                {"kind": "Event", "causes": [{"message": p} for p in problems]},
+            )
+        stored = copy.deepcopy(event)
+        stored["metadata"].update(
+            {"namespace": namespace, "uid": str(uuid.uuid4()), "resourceVersion": str(next(self._revision))}
+        )
+        with self._lock:
+            if any(e["metadata"]["name"] == stored["metadata"]["name"] for e in self._events):
+                raise status(409, "AlreadyExists", f'events "{stored["metadata"]["name"]}" already exists')
+            self._events.append(stored)
+        return _Answer(201, stored)
+
+
+def _event_problems(namespace: str, event: Mapping[str, Any]) -> list[str]:
+    """kube-apiserver's checks of a core v1 Event (ValidateEventCreate, legacy rules) that gpunode meets."""
+    problems = []
+    metadata = event.get("metadata")
+    if not isinstance(metadata, dict) or not metadata.get("name"):
+        problems.append("metadata.name: Required value: name or generateName is required")
+        metadata = {}
+    elif not DNS_SUBDOMAIN.match(str(metadata["name"])):
+        problems.append(f"metadata.name: Invalid value: {metadata['name']!r}")
+    if metadata.get("namespace", namespace) != namespace:
+        problems.append("metadata.namespace: Invalid value: does not match the namespace of the request")
+    involved = event.get("involvedObject")
+    if not isinstance(involved, dict) or not involved.get("kind") or not involved.get("name"):
+        problems.append("involvedObject: Required value: kind and name")
+    else:
+        object_namespace = involved.get("namespace", "")
+        if object_namespace and object_namespace != namespace:
+            problems.append("involvedObject.namespace: Invalid value: does not match event.namespace")
+        if not object_namespace and namespace not in ("", "default"):
+            problems.append("involvedObject.namespace: Invalid value: not allowed for cluster-scoped objects")
+    if event.get("type") not in EVENT_TYPES:
+        problems.append(f"type: Unsupported value: {event.get('type')!r}: supported values: Normal, Warning")
+    if not event.get("reason"):
+        problems.append("reason: Required value")
+    component = event.get("reportingComponent", "")
+    if component and not re.fullmatch(r"([a-z0-9.-]+/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?", component):
+        problems.append(f"reportingComponent: Invalid value: {component!r}")
+    if len(str(event.get("reportingInstance", ""))) > 128:
+        problems.append("reportingInstance: Too long: must have at most 128 bytes")
+    return problems
 
 
 def _not_found(name: str) -> _Answer:
