@@ -1,0 +1,62 @@
+#!/usr/bin/python
+# Copyright: gpunode developers
+# Apache-2.0
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+module: gpunode_plugin
+short_description: Install or uninstall gpunode's device plugin service
+description:
+  - Runs C(gpunode plugin install|uninstall --json); check mode adds C(--dry-run); diff mode shows the unit and config files written and the files removed.
+options:
+  state: {description: present installs (and starts) the service, absent stops and removes it, type: str, default: present, choices: [present, absent]}
+  config: {description: a plugin config on the target to install as /etc/gpunode/plugin.toml (gpunode's TOML or NVIDIA's device-plugin config), type: path}
+  start: {description: start the service now (false installs and enables it only), type: bool, default: true}
+  gpunode_path: {description: the gpunode command; default PATH, then /usr/local/bin and /opt/gpunode/bin, type: path}
+  root: {description: gpunode's C(--root), type: path}
+author: gpunode developers
+"""
+
+EXAMPLES = r"""
+- gpunode.gpunode.gpunode_plugin:
+    config: /etc/gpunode/plugin-src.toml
+"""
+
+RETURN = r"""
+gpunode: {description: gpunode's document (gpunode.plugin-install/v1 or plugin-uninstall/v1), returned: always, type: dict}
+"""
+
+from ansible.module_utils.basic import AnsibleModule
+from ansible_collections.gpunode.gpunode.plugins.module_utils.gpunode import (
+    common_argument_spec,
+    file_diffs,
+    finish,
+    run_gpunode,
+)
+
+
+def main():
+    spec = common_argument_spec()
+    spec.update(
+        state={"type": "str", "default": "present", "choices": ["present", "absent"]},
+        config={"type": "path"},
+        start={"type": "bool", "default": True},
+    )
+    module = AnsibleModule(argument_spec=spec, supports_check_mode=True)
+    p = module.params
+    if p["state"] == "absent":
+        command = ["plugin", "uninstall"]
+    else:
+        command = ["plugin", "install"]
+        if p["config"]:
+            command += ["--config", p["config"]]
+        if not p["start"]:
+            command.append("--no-start")
+    argv, rc, doc, stderr = run_gpunode(module, command)
+    verb = "would be" if doc.get("dry_run") else ("is now" if doc.get("changed") else "is already")
+    msg = "the device plugin service {} {}".format(verb, "removed" if p["state"] == "absent" else "installed")
+    finish(module, argv, rc, doc, stderr, msg=msg, diff=file_diffs(doc))
+
+
+if __name__ == "__main__":
+    main()
