@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from gpunode import kubelet, paths
 from gpunode.errors import UsageError
 from gpunode.host import Host
+from gpunode.kube.condition import condition_ops
 from gpunode.kube.jsonpointer import json_pointer
 from gpunode.kube.labels import CAPACITY_ANNOTATION, Sharing, gpu_labels, label_patch, removal_patch
 from gpunode.nvml.model import Inventory
@@ -55,6 +56,13 @@ class Change:
     @property
     def changes_nothing(self) -> bool:
         return not self.capacity_ops and self.metadata_patch is None
+
+    @property
+    def condition_removed(self) -> bool:
+        """The patch removes the plugin's GPUHealthy condition (withdraw, down)."""
+        return any(
+            op["op"] == "remove" and op["path"].startswith("/status/conditions/") for op in self.capacity_ops
+        )
 
 
 # -- pure planning over the Node object ---------------------------------------------------------------
@@ -245,7 +253,8 @@ def withdraw(
     def status_ops(current: dict[str, Any]) -> list[dict[str, Any]]:
         resources = sorted({*advertised_resources(current), *([resource] if resource else [])})
         change.resource = ", ".join(resources) or None
-        change.capacity_ops = removal_ops(current, resources)
+        # The plugin's GPUHealthy condition goes too: a node that no longer offers GPUs has no GPU health.
+        change.capacity_ops = removal_ops(current, resources) + condition_ops(current, None)
         return change.capacity_ops
 
     def metadata(current: dict[str, Any]) -> dict[str, Any] | None:

@@ -89,7 +89,12 @@ def _node(host: Host, opts: DownOptions) -> Step:
         change = withdraw(host, first, node=opts.node, resource=None, dry_run=True)
     if change.changes_nothing:
         return Step("node", f"node {change.node} has nothing gpunode advertised", needed=False)
-    details = [f"remove {op['path']}" for op in change.capacity_ops if op["op"] == "remove"]
+    details = [
+        f"remove {op['path']}"
+        for op in change.capacity_ops
+        if op["op"] == "remove" and not op["path"].startswith("/status/conditions/")
+    ]
+    details += ["remove condition GPUHealthy"] if change.condition_removed else []
     details += [f"remove label {k}" for k in change.labels_removed]
 
     def apply() -> str:

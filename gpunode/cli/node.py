@@ -227,7 +227,11 @@ def _render(change: Change, *, dry_run: bool, as_json: bool, withdraw: bool) -> 
         what = "nothing gpunode advertised is left on it" if withdraw else "already advertised as wanted"
         click.echo(f"{what}: nothing to change")
         return
+    if change.condition_removed:
+        click.echo(f"{would}remove condition GPUHealthy")
     for op in change.capacity_ops:
+        if op["op"] == "test" or op["path"].startswith("/status/conditions/"):
+            continue  # the condition's ops, said above
         if op["op"] == "remove":
             click.echo(f"{would}remove {op['path']}")
         elif op.get("value") != {}:

@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 from gpunode.errors import GpunodeError
 from gpunode.host import Host
-from gpunode.kube.client import JsonPatch, KubeClient, RetryPolicy, Timeouts
+from gpunode.kube.client import KubeClient, RetryPolicy, Timeouts
+from gpunode.kube.condition import CONDITION, condition_ops, now_rfc3339
 from gpunode.kube.credentials import KUBELET_KUBECONFIG
 from gpunode.plugin.observe import DeviceRecord, HealthReporter, Transition
 
@@ -38,7 +39,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gpunode.plugin")
 
-CONDITION = "GPUHealthy"
 COMPONENT = "gpunode-device-plugin"
 EVENT_NAMESPACE = "default"
 QUEUE_SIZE = 64
@@ -46,39 +46,6 @@ BURST = 10  # events sent at once before the rate limit holds
 REFILL = 6.0  # seconds per further event (10 a minute)
 TIMEOUTS = Timeouts(connect=3.0, read=5.0, total=8.0)
 XID_CATALOGUE = "https://docs.nvidia.com/deploy/xid-errors/"
-
-
-def condition_ops(
-    node: dict[str, Any], condition: dict[str, Any] | None, now: str | None = None
-) -> JsonPatch:
-    """JSON patch ops that make the node's GPUHealthy condition `condition` (type, status, reason, message;
-    None: remove it); [] when it is already so. Both times are set as kubelet sets its own: the heartbeat
-    at each write, the transition kept while the status stays."""
-    stamp = now or _now()
-    status = node.get("status")
-    conditions = status.get("conditions") if isinstance(status, dict) else None
-    value = None
-    if condition is not None:
-        value = {**condition, "lastHeartbeatTime": stamp, "lastTransitionTime": stamp}
-    if not isinstance(conditions, list):
-        return [] if value is None else [{"op": "add", "path": "/status/conditions", "value": [value]}]
-    for i, existing in enumerate(conditions):
-        if isinstance(existing, dict) and existing.get("type") == CONDITION:
-            # A `test` of the type first: should the list have moved, the patch fails instead of replacing
-            # another condition (the resourceVersion guard catches that too; this says what it protects).
-            test = {"op": "test", "path": f"/status/conditions/{i}/type", "value": CONDITION}
-            if value is None:
-                return [test, {"op": "remove", "path": f"/status/conditions/{i}"}]
-            if all(existing.get(k) == value[k] for k in ("status", "reason", "message")):
-                return []
-            if existing.get("status") == value["status"] and existing.get("lastTransitionTime"):
-                value["lastTransitionTime"] = existing["lastTransitionTime"]
-            return [test, {"op": "replace", "path": f"/status/conditions/{i}", "value": value}]
-    return [] if value is None else [{"op": "add", "path": "/status/conditions/-", "value": value}]
-
-
-def _now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
 def describe(record_or_transition: DeviceRecord | Transition) -> str:
@@ -249,7 +216,7 @@ class NodeReporter(HealthReporter):
             self.dropped += 1
             return
         self._tokens -= 1.0
-        stamp = _now()
+        stamp = now_rfc3339()
         event = {
             "apiVersion": "v1",
             "kind": "Event",
@@ -323,19 +290,3 @@ class NodeReporter(HealthReporter):
         self.sent += 1
         self._last_error = None
         return True
-
-
-def remove_condition(client: KubeClient, node: str, *, dry_run: bool = False) -> bool:
-    """Remove GPUHealthy from the node (node withdraw, down); True if it was there."""
-    if dry_run:
-        return bool(condition_ops(client.get_node(node), None))
-    removed = False
-
-    def compute(current: dict[str, Any]) -> JsonPatch:
-        nonlocal removed
-        ops = condition_ops(current, None)
-        removed = bool(ops)
-        return ops
-
-    client.update_node_status(node, compute)
-    return removed

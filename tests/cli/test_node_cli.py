@@ -879,3 +879,24 @@ def test_a_token_with_a_line_break_is_never_shown_not_even_with_debug(
     for half in halves:
         assert half not in err and half not in out
     assert api.requests == []
+
+
+def test_withdraw_removes_the_plugins_gpuhealthy_condition_only(admin: Node, api: ApiServer) -> None:
+    """The plugin's GPUHealthy condition (issue 18) goes with the GPUs; kubelet's conditions stay."""
+
+    def plugin_wrote(node: dict[str, Any]) -> None:
+        node["status"]["conditions"].append(
+            {"type": "GPUHealthy", "status": "False", "reason": "GPUUnhealthy", "message": "1 unhealthy: ..."}
+        )
+        node["status"]["conditions"].append({"type": "MemoryPressure", "status": "False"})
+
+    api.modify_node(NODE, plugin_wrote)
+    code, out, err = admin.withdraw()
+    assert code == ExitCode.OK, err
+    assert "remove condition GPUHealthy" in out.splitlines()
+    assert [c["type"] for c in api.node(NODE)["status"]["conditions"]] == ["Ready", "MemoryPressure"]
+    patch = next(r for r in api.requests if r.method == "PATCH" and r.path.endswith("/status"))
+    assert patch.content_type == JSON_PATCH
+    assert {"op": "test", "path": "/status/conditions/1/type", "value": "GPUHealthy"} in patch.body
+    code, out, _ = admin.withdraw()
+    assert code == ExitCode.OK and "nothing to change" in out
