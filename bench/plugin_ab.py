@@ -128,6 +128,12 @@ def session(tree: Tree, args: Sequence[str] = ()) -> Iterator[tuple[FakeKubelet,
             plugin = Plugin(tree, socket_dir, args)
             try:
                 yield kubelet, plugin
+            except Exception:
+                print(
+                    f"--- {tree.label}: plugin log ---\n{plugin.log.read_text(errors='replace')}",
+                    file=sys.stderr,
+                )
+                raise
             finally:
                 plugin.stop()
     finally:
