@@ -1,0 +1,279 @@
+"""Ansible (ansible-core from PyPI) drives a fleet of three machines through the gpunode collection.
+
+Each machine is a real systemd booted with systemd-nspawn on a fresh tmpfs root with only the host's /usr
+(tests/integration/nspawn.py), its own private network and no sshd: Ansible reaches it with the test tree's
+connection plugin `gpunode_nsenter` (tests/integration/ansible_connection), which runs every command in the
+namespaces of the machine's PID 1. Why not SSH: openssh-server would have to be installed on every
+developer machine and in CI (a service package whose postinst enables and starts sshd on the host), and
+every machine would need a network namespace, addresses and host keys; why not community.general's chroot:
+it is only in the large `ansible` package (or Galaxy, which is not reachable here), and a chroot would see
+neither the machine's mounts nor its systemd. The modules do not care how Ansible reached the host.
+
+On each machine, as on a real node: gpunode where install.sh puts it (/opt/gpunode/bin/gpunode, a link to
+this checkout's venv, which the machine sees at the same path), containerd.service running the test bed's
+containerd 1.6 with the stock config (tests/integration/test_restart_systemd.py), and no GPU. The role
+(ansible/roles/gpu_node) configures the NVIDIA runtime with the default restart and verifies with doctor;
+the toolkit (needs NVIDIA's repositories), the plugin service (needs kubelet) and advertise (needs an API
+server) are off here, and those modules are tested against gpunode's recorded JSON in
+tests/unit/test_ansible_modules.py.
+
+The collection is built with `ansible-galaxy collection build` and installed from its tarball, and the
+playbooks are ansible/examples/, the ones docs/fleets.md shows. Needs root, systemd-nspawn, nsenter, the
+test bed's containerd and runc, and ansible-core ([dev] extras). Under CI a missing one fails the test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests import testbed, tomlread
+from tests.integration import nspawn
+from tests.integration.test_restart_systemd import (
+    CONFIG,
+    DAEMON,
+    UNIT,
+    cri_state,
+    prerequisites,
+    stock_config,
+    unit_text,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+GPUNODE = BIN / "gpunode"
+EXAMPLES = REPO / "ansible" / "examples"
+CONNECTION_PLUGINS = Path(__file__).resolve().parent / "ansible_connection"
+HOSTS = ("node1", "node2", "node3")
+# Ansible runs a few processes per task and host; three machines restarting containerd on 2 shared cores.
+PLAYBOOK_TIMEOUT = 900
+RECAP = re.compile(
+    r"^(?P<host>\S+)\s+:\s+ok=(?P<ok>\d+)\s+changed=(?P<changed>\d+)\s+unreachable=(?P<unreachable>\d+)"
+    r"\s+failed=(?P<failed>\d+)\s+skipped=(?P<skipped>\d+)"
+)
+# What the docs and the test use: the inventory's group variables for this fleet of machines without GPUs,
+# kubelet or NVIDIA's repositories.
+GROUP_VARS = """\
+ansible_connection=gpunode_nsenter
+ansible_python_interpreter=/usr/bin/python3
+gpunode_runtime=containerd
+gpunode_runtime_set_as_default=true
+gpunode_toolkit_install=false
+gpunode_plugin_install=false
+gpunode_require_healthy=false
+"""
+
+
+def ansible_tool(name: str) -> Path:
+    tool = BIN / name
+    if not os.access(tool, os.X_OK):
+        why = f"{tool} is missing: ansible-core is in the [dev] extras (./install.sh --dev)"
+        if os.environ.get("CI"):
+            pytest.fail(why)
+        pytest.skip(why)
+    return tool
+
+
+@dataclass
+class Fleet:
+    workdir: Path  # ansible.cfg, inventory.ini, the playbooks; the commands run here
+    machines: dict[str, nspawn.Container]
+    env: dict[str, str]
+
+    def playbook(self, *args: str) -> Run:
+        result = subprocess.run(
+            [str(ansible_tool("ansible-playbook")), "-i", "inventory.ini", *args],
+            cwd=self.workdir,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=PLAYBOOK_TIMEOUT,
+            check=False,
+        )
+        return Run(result)
+
+
+@dataclass(repr=False)
+class Run:
+    result: subprocess.CompletedProcess[str]
+
+    @property
+    def recap(self) -> dict[str, dict[str, int]]:
+        found = {}
+        for line in self.result.stdout.splitlines():
+            match = RECAP.match(line)
+            if match:
+                found[match["host"]] = {k: int(v) for k, v in match.groupdict().items() if k != "host"}
+        assert set(found) == set(HOSTS), f"no PLAY RECAP for every host:\n{self}"
+        return found
+
+    def __repr__(self) -> str:  # what an assertion prints: the whole run
+        return f"exit {self.result.returncode}\n{self.result.stdout}\n{self.result.stderr}"
+
+
+@pytest.fixture(scope="module")
+def collections(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The collection built from ansible/ and installed from the tarball, as an operator would."""
+    galaxy = ansible_tool("ansible-galaxy")
+    top = tmp_path_factory.mktemp("collection")
+    env = {**os.environ, "ANSIBLE_HOME": str(top / "home"), "ANSIBLE_NOCOLOR": "1"}
+    built = subprocess.run(
+        [str(galaxy), "collection", "build", str(REPO / "ansible"), "--output-path", str(top / "dist")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    assert built.returncode == 0, built.stdout + built.stderr
+    (tarball,) = (top / "dist").glob("gpunode-gpunode-*.tar.gz")
+    installed = subprocess.run(
+        [str(galaxy), "collection", "install", str(tarball), "-p", str(top / "collections")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    assert installed.returncode == 0, installed.stdout + installed.stderr
+    assert (top / "collections/ansible_collections/gpunode/gpunode/plugins/modules/gpunode_up.py").is_file()
+    return top / "collections"
+
+
+def boot_machine(stack: contextlib.ExitStack, workdir: Path, binds: list[nspawn.Bind]) -> nspawn.Container:
+    box = stack.enter_context(nspawn.boot(workdir, binds=binds, name_prefix="gpunode-fleet"))
+    box.env["PATH"] = testbed.path_with(*DAEMON, rest=nspawn.ENV["PATH"])
+    # Where install.sh puts gpunode (its virtualenv under /opt/gpunode): the modules' default search finds
+    # it there. /opt is the machine's own (its tmpfs root); the venv is this checkout's, bound in.
+    link = box.path("/opt/gpunode/bin/gpunode")
+    link.parent.mkdir(parents=True)
+    link.symlink_to(GPUNODE)
+    config = box.path(CONFIG)
+    config.parent.mkdir(parents=True)
+    config.write_bytes(stock_config())
+    unit = box.path(f"/etc/systemd/system/{UNIT}")
+    unit.parent.mkdir(parents=True, exist_ok=True)
+    unit.write_text(unit_text())
+    assert box.systemctl("daemon-reload").returncode == 0
+    started = box.systemctl("start", UNIT)
+    assert started.returncode == 0, f"{started.stderr}\n{box.journal(UNIT)}"
+    return box
+
+
+@pytest.fixture
+def fleet(tmp_path: Path, collections: Path) -> Iterator[Fleet]:
+    binds = prerequisites()
+    ansible_tool("ansible-playbook")
+    with contextlib.ExitStack() as stack:
+        machines = {host: boot_machine(stack, tmp_path / host, binds) for host in HOSTS}
+        workdir = tmp_path / "fleet"
+        workdir.mkdir()
+        for playbook in ("site.yml", "verify.yml"):
+            shutil.copy(EXAMPLES / playbook, workdir / playbook)
+        (workdir / "ansible.cfg").write_text(
+            "[defaults]\n"
+            f"collections_path = {collections}\n"
+            f"connection_plugins = {CONNECTION_PLUGINS}\n"
+            "[connection]\n"
+            "pipelining = true\n"
+        )
+        # The machines' PATH: gpunode finds containerd and ctr there, as where they are installed.
+        path = testbed.path_with(*DAEMON, rest=nspawn.ENV["PATH"])
+        (workdir / "inventory.ini").write_text(
+            "[gpu_nodes]\n"
+            + "".join(f"{host} ansible_host={box.leader}\n" for host, box in machines.items())
+            + "\n[gpu_nodes:vars]\n"
+            + GROUP_VARS
+            + f"ansible_nsenter_path={path}\n"
+        )
+        env = {
+            "PATH": f"{BIN}:{os.environ.get('PATH', testbed.DEFAULT_PATH)}",
+            "LANG": "C.UTF-8",
+            "HOME": str(tmp_path / "home"),
+            "ANSIBLE_CONFIG": str(workdir / "ansible.cfg"),
+            "ANSIBLE_HOME": str(tmp_path / "ansible-home"),
+            "ANSIBLE_LOCAL_TEMP": str(tmp_path / "ansible-tmp"),
+            "ANSIBLE_NOCOLOR": "1",
+        }
+        yield Fleet(workdir=workdir, machines=machines, env=env)
+
+
+def nvidia_runtime(box: nspawn.Container) -> dict[str, object] | None:
+    config = tomlread.loads(box.path(CONFIG).read_text())
+    cri = config["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]
+    return cri.get("nvidia")  # type: ignore[no-any-return]
+
+
+def test_check_mode_then_apply_then_nothing_to_do(fleet: Fleet) -> None:
+    before = {host: box.path(CONFIG).read_bytes() for host, box in fleet.machines.items()}
+
+    planned = fleet.playbook("site.yml", "--check", "--diff")
+    assert planned.result.returncode == 0, planned
+    for host, counts in planned.recap.items():
+        assert counts["failed"] == 0 and counts["changed"] == 1, f"{host}: {counts}\n{planned}"
+    # gpunode's own diff of the file, per host, and nothing written anywhere.
+    assert (
+        planned.result.stdout.count(
+            '+        [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.nvidia]'
+        )
+        == 3
+    )
+    for host, box in fleet.machines.items():
+        assert box.path(CONFIG).read_bytes() == before[host], f"check mode changed {host}"
+        assert not box.path("/var/lib/gpunode/backups").exists(), f"check mode left a backup on {host}"
+
+    applied = fleet.playbook("site.yml", "--diff")
+    assert applied.result.returncode == 0, applied
+    for host, counts in applied.recap.items():
+        assert counts["failed"] == 0 and counts["changed"] == 1, f"{host}: {counts}\n{applied}"
+    for host, box in fleet.machines.items():
+        runtime = nvidia_runtime(box)
+        assert runtime is not None, f"{host}: no nvidia runtime in {CONFIG}"
+        assert runtime["options"]["BinaryName"] == "/usr/bin/nvidia-container-runtime"  # type: ignore[index]
+        # The default restart happened and containerd came back with the new config.
+        assert cri_state(box) == "ok", box.journal(UNIT)
+
+    verified = fleet.playbook("verify.yml")
+    assert verified.result.returncode == 0, verified
+    assert all(c["failed"] == 0 for c in verified.recap.values()), verified
+
+    again = fleet.playbook("site.yml", "--diff")
+    assert again.result.returncode == 0, again
+    for host, counts in again.recap.items():
+        assert counts["changed"] == 0 and counts["failed"] == 0, f"{host}: {counts}\n{again}"
+
+
+def test_a_broken_config_fails_its_machine_alone(fleet: Fleet) -> None:
+    broken = fleet.machines["node2"]
+    # An operator's typo: an unterminated table header. containerd keeps running on what it read before.
+    broken.path(CONFIG).write_text(broken.path(CONFIG).read_text() + "\n[plugins.broken\n")
+    before = broken.path(CONFIG).read_bytes()
+
+    run = fleet.playbook("site.yml")
+    assert run.result.returncode == 2, run  # ansible-playbook: some host failed
+    recap = run.recap
+    assert recap["node2"]["failed"] == 1, run
+    for host in ("node1", "node3"):
+        assert recap[host]["failed"] == 0 and recap[host]["changed"] == 1, f"{host}: {recap[host]}\n{run}"
+        assert nvidia_runtime(fleet.machines[host]) is not None
+    # gpunode's own error, as gpunode itself states it on that machine (a dry run reads the same file).
+    direct = broken.run([str(GPUNODE), "configure-runtime", "containerd", "--dry-run", "--json"])
+    error = json.loads(direct.stdout)["error"]
+    assert error["exit_code"] == 4 and error["message"].startswith(f"{CONFIG} is not valid TOML"), error
+    failure = [line for line in run.result.stdout.splitlines() if line.startswith("fatal: [node2]")]
+    assert len(failure) == 1, run
+    # The module's msg is gpunode's message (its first words, before the parser's quoted detail), its fix
+    # and exit status come along.
+    assert f'"msg": "{CONFIG} is not valid TOML: ' in failure[0], failure[0]
+    assert f'"fix": "{error["fix"]}"' in failure[0] and '"exit_code": 4' in failure[0], failure[0]
+    assert broken.path(CONFIG).read_bytes() == before
