@@ -23,9 +23,6 @@ def app() -> None:
     pass
 
 
-app.add_command(manifest)  # `plugin manifest`: the DaemonSet form, in its own module
-
-
 def _flag(flag: str, env: str, text: str, metavar: str, type_: Any = None) -> Callable[[F], F]:
     return click.option(flag, metavar=metavar, type=type_, help=f"{text} (env {env})")
 
@@ -612,3 +609,6 @@ def _print_state(current: Any) -> None:
     # Schedulable, but their faults go unseen: "cannot monitor" is not "unhealthy".
     for gpu in plugin.get("unmonitored") or []:
         click.echo(f"  unmonitored: GPU {gpu.get('index')} ({gpu.get('uuid')}): {gpu.get('reason')}")
+
+
+app.add_command(manifest)  # `plugin manifest`: the DaemonSet form, in its own module (listed last)

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import click
 
-from gpunode.cli.common import exit_codes
+from gpunode.cli.common import Command, exit_codes
 
 
 @click.command(
     "manifest",
+    cls=Command,  # gpunode's help layout and usage errors, as the group's own commands get them
     epilog=exit_codes(
         "0    printed",
-        "4    the config (file, environment) does not load, or a bad --namespace / --image",
+        "4    the plugin config (file, environment) does not load",
         "6    the --config file does not exist",
     ),
 )
@@ -67,22 +68,29 @@ def manifest(
     import re
 
     from gpunode.cli.state import state
-    from gpunode.errors import ConfigError
+    from gpunode.errors import UsageError
     from gpunode.plugin import manifest as dm
     from gpunode.plugin.config import load_config
 
     # A DNS-1123 label, as the API requires of a namespace's name: refused here rather than by kubectl.
     if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", namespace):
-        raise ConfigError(
-            f"--namespace {namespace!r} is not a valid namespace name",
+        raise UsageError(
+            f"plugin manifest: --namespace {namespace!r} is not a valid namespace name",
             "use lower-case letters, digits and '-', at most 63 characters",
         )
     if image is not None and (not image or any(c.isspace() for c in image)):
-        raise ConfigError(f"--image {image!r} is not an image reference", "give e.g. registry/name:tag")
+        raise UsageError(
+            f"plugin manifest: --image {image!r} is not an image reference", "give e.g. registry/name:tag"
+        )
     if status_file is not None and (not status_file.startswith("/") or status_file.endswith("/")):
-        raise ConfigError(f"--status-file {status_file!r} is not an absolute file path")
+        raise UsageError(
+            f"plugin manifest: --status-file {status_file!r} is not an absolute file path",
+            "give the path the plugin writes in its container, e.g. /run/gpunode/plugin-status.json",
+        )
     host = state(ctx).host
-    resolved = load_config(host, config_path=config, env=os.environ, flags={})
+    if config:
+        config = os.path.abspath(config)  # a path given relative to where the command runs
+    resolved = load_config(host, config_path=config, flags={})  # the environment: host.env
     options = dm.ManifestOptions(
         namespace=namespace,
         image=image or dm.IMAGE,

@@ -350,7 +350,14 @@ def completions(words: list[str]) -> list[str]:
 
 def test_bash_completes_commands_options_and_arguments() -> None:
     assert completions(["gpunode", "conf"]) == ["configure-runtime"]
-    assert completions(["gpunode", "plugin", ""]) == ["run", "install", "uninstall", "status"]
+    assert completions(["gpunode", "plugin", ""]) == [
+        "run",
+        "install",
+        "uninstall",
+        "status",
+        "import-config",
+        "manifest",
+    ]
     assert completions(["gpunode", "configure-runtime", "c"]) == ["containerd", "crio"]
     assert completions(["gpunode", "up", "--runtime", "d"]) == ["docker"]
     assert "--dry-run" in completions(["gpunode", "configure-runtime", "--d"])
