@@ -35,8 +35,14 @@ _STYLE = {
 @click.option(
     "--json", "as_json", is_flag=True, help="Print the findings as JSON (schema gpunode.doctor/v1)."
 )
+@click.option(
+    "--prometheus",
+    metavar="FILE",
+    help="Also write the findings as Prometheus metrics to FILE, atomically, for node_exporter's textfile "
+    "collector (e.g. /var/lib/node_exporter/textfile_collector/gpunode_doctor.prom).",
+)
 @click.pass_context
-def doctor(ctx: click.Context, as_json: bool) -> None:
+def doctor(ctx: click.Context, as_json: bool, prometheus: str | None) -> None:
     """Diagnose this node: driver, GPUs, container toolkit and runtimes, kubelet, device plugin.
 
     Read-only. Each check is a finding (ok, warn, FAIL, skip) with what it saw and the fix.
@@ -50,6 +56,14 @@ def doctor(ctx: click.Context, as_json: bool) -> None:
 
         jsonout.request("doctor")  # an error that stops doctor is a document too
     report = run_doctor(app_state.host, raise_bugs=app_state.debug)
+    if prometheus is not None:
+        import os
+        import time
+
+        from gpunode.doctor import prometheus as textfile
+
+        # Written whatever the findings: a failed check is what the metrics are for (the exit code stays).
+        textfile.write(app_state.host, os.path.abspath(prometheus), report, time.time())
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=2))
     elif sys.stdout.isatty():
