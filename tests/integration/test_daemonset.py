@@ -1,0 +1,307 @@
+"""The DaemonSet form of the plugin: `gpunode plugin manifest`, deploy/ and the Helm chart in deploy/helm.
+
+- Every object is validated against the Kubernetes API's own schemas (the OpenAPI documents of each
+  release, as JSON Schema, shipped in the `kubernetes-validate` package), strict: an unknown field is an
+  error, for every Kubernetes version the README names.
+- The chart is rendered by Helm's own engine (Helm v4's Go SDK, through `helm-python-sdk`'s libhelm_c: the
+  code `helm template` runs; not the `helm` CLI binary, which no PyPI or Debian package ships) and linted.
+- The three forms are the same objects: deploy/ is `plugin manifest` with no config, and the chart rendered
+  with values equal to a node's config gives what `plugin manifest` prints for that node.
+- The ConfigMap's plugin.toml, read by the plugin's own loader, gives the node's settings: one config
+  serves the systemd service and the DaemonSet.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import helm_python
+import kubernetes_validate
+import pytest
+import yaml
+
+from gpunode.cli.main import main
+from gpunode.host import Host
+from gpunode.plugin import manifest as dm
+from gpunode.plugin.config import OPTIONS, load_config, value_of
+from tests import tomlread
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "deploy/helm/gpunode-device-plugin"
+DEPLOY = REPO / "deploy/gpunode-device-plugin.yaml"
+README = REPO / "README.md"
+# The Kubernetes versions the README names (its DaemonSet paragraph); test_readme_names_these keeps them so.
+VERSIONS = [f"1.{minor}" for minor in range(28, 38)]
+# What Helm adds to every object's labels, beyond `plugin manifest`'s.
+HELM_LABELS = ("app.kubernetes.io/managed-by", "helm.sh/chart")
+
+NODE_CONFIG = """\
+mig-strategy = "mixed"
+device-list-strategy = ["envvar", "cdi-annotations"]
+driver-root = "/run/nvidia/driver"
+
+[time-slicing]
+rename-by-default = true
+resources = [{name = "nvidia.com/gpu", replicas = 4, devices = [0, 1]}]
+
+[health]
+ignored-xids = [13, 31, 43]
+recovery-quiet-period = 30.5
+"""
+# The same settings as chart values (GPUNODE_PLACEMENT comes from the node's environment in the CLI case).
+NODE_VALUES: dict[str, Any] = {
+    "namespace": "gpu-plugins",
+    "image": {"repository": "registry.example/gpunode-device-plugin", "tag": "0.1.0-test"},
+    "driverRoot": "/run/nvidia/driver",
+    "events": {"enabled": True},
+    "statusFile": "/run/dp/status.json",
+    "config": {
+        "mig-strategy": "mixed",
+        "device-list-strategy": ["envvar", "cdi-annotations"],
+        "time-slicing": {
+            "rename-by-default": True,
+            "placement": "packed",
+            "resources": [{"name": "nvidia.com/gpu", "replicas": 4, "devices": [0, 1]}],
+        },
+        "health": {"ignored-xids": [13, 31, 43], "recovery-quiet-period": 30.5},
+    },
+}
+
+
+def plugin_manifest(root: Path, capsys: pytest.CaptureFixture[str], *args: str, **env: str) -> str:
+    code = main(["plugin", "manifest", *args], host=Host(root=root, env=env))
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return out
+
+
+def documents(text: str) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(text) if d]
+
+
+def render_chart(values: dict[str, Any]) -> list[dict[str, Any]]:
+    with helm_python.Chart.load(str(CHART)) as chart:
+        rendered = chart.render(values, name="gpunode-device-plugin", namespace="default", is_install=True)
+    order = ["namespace", "serviceaccount", "rbac", "configmap", "daemonset"]
+    names = sorted(rendered, key=lambda p: order.index(Path(p).stem) if Path(p).stem in order else 99)
+    return [d for path in names if path.endswith(".yaml") for d in documents(rendered[path])]
+
+
+def validate(objects: list[dict[str, Any]]) -> None:
+    for version in VERSIONS:
+        for item in objects:
+            try:
+                kubernetes_validate.validate(item, version, strict=True)
+            except kubernetes_validate.ValidationError as err:
+                where = ".".join(str(p) for p in err.path)
+                raise AssertionError(
+                    f"{item['kind']} on Kubernetes {version}: {where}: {err.message}"
+                ) from None
+
+
+def settings(toml_text: str) -> dict[str, Any]:
+    """What the plugin makes of a config file: every option's value, by key (devices [0] and ["0"] alike)."""
+    with tempfile.TemporaryDirectory() as root:
+        (Path(root) / "plugin.toml").write_text(toml_text)
+        config = load_config(Host(root=Path(root), env={}), config_path="/plugin.toml", env={})
+    return {option.key: value_of(config, option) for option in OPTIONS}
+
+
+def comparable(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The objects less what legitimately differs: Helm's labels, the TOML's layout (compared parsed),
+    and the config digest (checked to be the digest of that same object's ConfigMap text)."""
+    texts = [o["data"]["plugin.toml"] for o in objects if o["kind"] == "ConfigMap"]
+    out = []
+    for original in objects:
+        item = yaml.safe_load(yaml.safe_dump(original))  # a deep copy
+        for meta in (item["metadata"], item.get("spec", {}).get("template", {}).get("metadata", {})):
+            for label in HELM_LABELS:
+                meta.get("labels", {}).pop(label, None)
+        if item["kind"] == "ConfigMap":
+            item["data"]["plugin.toml"] = settings(item["data"]["plugin.toml"])
+        if item["kind"] == "DaemonSet":
+            annotations = item["spec"]["template"]["metadata"]["annotations"]
+            digest = annotations.pop("gpunode.io/config-sha256")
+            assert [digest] == [hashlib.sha256(t.encode()).hexdigest() for t in texts]
+        out.append(item)
+    return out
+
+
+def test_deploy_is_plugin_manifest_without_a_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # tmp_path as the root: no /etc/gpunode/plugin.toml, no GPUNODE_* variables.
+    assert plugin_manifest(tmp_path, capsys) == DEPLOY.read_text()
+
+
+def test_deploy_validates_against_the_api_schemas() -> None:
+    objects = documents(DEPLOY.read_text())
+    assert [o["kind"] for o in objects] == ["Namespace", "ServiceAccount", "ConfigMap", "DaemonSet"]
+    validate(objects)
+
+
+def test_schema_validation_catches_a_misspelt_field() -> None:
+    # The check is real: the strict schemas refuse what kube-apiserver would drop or refuse.
+    daemonset = documents(DEPLOY.read_text())[-1]
+    daemonset["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]["periodSecond"] = 30
+    with pytest.raises(AssertionError, match="periodSecond"):
+        validate([daemonset])
+
+
+def test_the_daemonset_is_a_device_plugins(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    daemonset = documents(plugin_manifest(tmp_path, capsys))[-1]
+    pod = daemonset["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    assert pod["priorityClassName"] == "system-node-critical"
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    assert pod["automountServiceAccountToken"] is False
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    assert volumes["device-plugins"]["hostPath"]["path"] == "/var/lib/kubelet/device-plugins"
+    assert mounts["device-plugins"]["mountPath"] == "/var/lib/kubelet/device-plugins"
+    assert volumes["driver-root"]["hostPath"]["path"] == "/"
+    assert mounts["driver-root"] == {"name": "driver-root", "mountPath": "/driver-root", "readOnly": True}
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["GPUNODE_PLUGIN_CONFIG"] == "/etc/gpunode/plugin.toml"
+    assert env["GPUNODE_DRIVER_ROOT"] == "/driver-root"
+    assert container["livenessProbe"]["exec"]["command"] == [
+        "gpunode",
+        "plugin",
+        "status",
+        "--status-file",
+        env["GPUNODE_PLUGIN_STATUS_FILE"],
+    ]
+    security = container["securityContext"]
+    assert security["capabilities"] == {"drop": ["ALL"]} and security["readOnlyRootFilesystem"] is True
+    assert security["allowPrivilegeEscalation"] is False and security["privileged"] is False
+    assert container["resources"]["limits"]["memory"]
+
+
+def test_node_config_becomes_the_configmap_and_host_paths(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "etc/gpunode").mkdir(parents=True)
+    (tmp_path / "etc/gpunode/plugin.toml").write_text(NODE_CONFIG)
+    text = plugin_manifest(tmp_path, capsys, "--events", GPUNODE_PLACEMENT="packed")
+    objects = documents(text)
+    validate(objects)
+    kinds = [o["kind"] for o in objects]
+    assert kinds == [
+        "Namespace",
+        "ServiceAccount",
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "ConfigMap",
+        "DaemonSet",
+    ]
+    daemonset = objects[-1]
+    volumes = {v["name"]: v for v in daemonset["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["driver-root"]["hostPath"]["path"] == "/run/nvidia/driver"
+    # The ConfigMap's file, read by the plugin's own loader with the container's environment, gives every
+    # setting the node's plugin resolves, host paths aside (the DaemonSet maps those to its mounts).
+    configmap = next(o for o in objects if o["kind"] == "ConfigMap")
+    (tmp_path / "cm.toml").write_text(configmap["data"]["plugin.toml"])
+    container_env = {
+        e["name"]: e["value"] for e in daemonset["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    in_pod = load_config(Host(root=tmp_path, env={}), config_path="/cm.toml", env=container_env)
+    on_node = load_config(Host(root=tmp_path, env={}), env={"GPUNODE_PLACEMENT": "packed"})
+    for option in OPTIONS:
+        if option.name not in dm.HOST_PATH_OPTIONS:
+            assert value_of(in_pod, option) == value_of(on_node, option), option.key
+    assert in_pod.driver_root == "/driver-root" and in_pod.dev_root == "/"
+    assert in_pod.socket_dir == "/var/lib/kubelet/device-plugins"
+
+
+def test_rbac_grants_only_events_and_the_node_condition(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    objects = documents(plugin_manifest(tmp_path, capsys, "--events"))
+    role = next(o for o in objects if o["kind"] == "ClusterRole")
+    granted = {
+        (group, resource, verb)
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+    assert granted == {
+        ("", "events", "create"),
+        ("", "events", "patch"),
+        ("events.k8s.io", "events", "create"),
+        ("events.k8s.io", "events", "patch"),
+        ("", "nodes", "get"),
+        ("", "nodes/status", "patch"),
+    }
+    assert objects[1]["automountServiceAccountToken"] is True
+    binding = next(o for o in objects if o["kind"] == "ClusterRoleBinding")
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "gpunode-device-plugin", "namespace": "gpunode-system"}
+    ]
+
+
+def test_chart_with_default_values_renders_deploy() -> None:
+    rendered = render_chart({})
+    validate(rendered)
+    assert comparable(rendered) == comparable(documents(DEPLOY.read_text()))
+
+
+def test_chart_with_a_nodes_settings_renders_what_plugin_manifest_prints(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "plugin.toml").write_text(NODE_CONFIG)
+    printed = plugin_manifest(
+        tmp_path,
+        capsys,
+        "--config",
+        "/plugin.toml",
+        "--events",
+        "--namespace",
+        "gpu-plugins",
+        "--image",
+        "registry.example/gpunode-device-plugin:0.1.0-test",
+        "--status-file",
+        "/run/dp/status.json",
+        GPUNODE_PLACEMENT="packed",
+    )
+    rendered = render_chart(NODE_VALUES)
+    validate(rendered)
+    assert comparable(rendered) == comparable(documents(printed))
+
+
+def test_chart_numbers_stay_whole_in_the_toml() -> None:
+    # Helm reads every number of a values file as a float; replicas 4 must not become 4.0 (refused).
+    rendered = render_chart(
+        {"config": {"time-slicing": {"replicas": 4}, "health": {"recovery-quiet-period": 60}}}
+    )
+    text = next(o for o in rendered if o["kind"] == "ConfigMap")["data"]["plugin.toml"]
+    assert re.search(r"^replicas = 4$", text, re.MULTILINE), text
+    assert tomlread.loads(text) == {"time-slicing": {"replicas": 4}, "health": {"recovery-quiet-period": 60}}
+
+
+def test_chart_lints_clean() -> None:
+    # Helm's severities: 1 info (e.g. "icon is recommended"), 2 warning, 3 error.
+    result = helm_python.lint(str(CHART))
+    assert result["total_charts_linted"] == 1 and not result["errors"], result
+    assert [m for m in result["messages"] if m["severity"] >= 2] == [], result
+
+
+def test_readme_names_these_versions() -> None:
+    text = (REPO / "docs/fleets.md").read_text()
+    assert f"Kubernetes {VERSIONS[0]} to {VERSIONS[-1]}" in text
+
+
+def test_bad_options_are_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    host = Host(root=tmp_path, env={})
+    assert main(["plugin", "manifest", "--namespace", "Not_A_Name"], host=host) == 2
+    assert "--namespace" in capsys.readouterr().err
+    assert main(["plugin", "manifest", "--status-file", "relative"], host=host) == 2
+    assert main(["plugin", "manifest", "--config", "/missing.toml"], host=host) == 6
+    (tmp_path / "bad.toml").write_text("replica = 4\n")
+    assert main(["plugin", "manifest", "--config", "/bad.toml"], host=host) == 4
+    assert "replica" in capsys.readouterr().err
