@@ -1,0 +1,498 @@
+"""The collection's modules run by real ansible-playbook (local connection) against a stand-in gpunode that
+prints recorded --json documents, each valid against gpunode's own schema (gpunode/schemas/).
+
+For the modules and cases the fleet test (tests/integration/test_ansible_fleet.py) cannot reach without a
+GPU, kubelet, an API server or NVIDIA's repositories: toolkit, plugin, node, up, down, doctor's
+fail_on_unhealthy, gpunode failing or printing no document. The stand-in records each argument list it
+was given (the module's command line is part of what is checked) and, for --kubeconfig, what the file held
+and its mode, so the kubeconfig_content secret can be followed: on the target in a 0600 file, gone after
+the run, and nowhere in the results.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+from gpunode import schemas
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+SECRET = "token-ab12cd34ef56-never-in-a-result"  # noqa: S105 - made up, followed through the results
+KUBECONFIG = f"""\
+apiVersion: v1
+kind: Config
+clusters: [{{name: c, cluster: {{server: "https://127.0.0.1:6443"}}}}]
+users: [{{name: u, user: {{token: {SECRET}}}}}]
+contexts: [{{name: x, context: {{cluster: c, user: u}}}}]
+current-context: x
+"""
+ERROR_9 = {
+    "message": "the Kubernetes API at https://127.0.0.1:6443 refused the request: 403 Forbidden",
+    "fix": "give the credentials permission to patch nodes/status",
+    "exit_code": 9,
+}
+TOOLKIT_DIFF = (
+    "--- /dev/null\n+++ b/etc/apt/sources.list.d/nvidia-container-toolkit.list\n@@ -0,0 +1 @@\n+deb x /\n"
+)
+TOOLKIT_PACKAGES = ["nvidia-container-toolkit", "nvidia-container-toolkit-base"]
+
+
+def toolkit(*, dry_run: bool, changed: bool, installed: str | None) -> dict[str, Any]:
+    todo = installed is None
+    return {
+        "schema": "gpunode.toolkit-install/v1",
+        "changed": changed,
+        "dry_run": dry_run,
+        "error": None,
+        "distribution": "debian 12",
+        "package_manager": "apt",
+        "packages": dict.fromkeys(TOOLKIT_PACKAGES, installed),
+        "version": installed,
+        "wanted": "1.17.8",
+        "key_fingerprints": [],
+        "files": [
+            {
+                "path": "/etc/apt/sources.list.d/nvidia-container-toolkit.list",
+                "action": "write" if todo else "unchanged",
+                "diff": TOOLKIT_DIFF if todo else "",
+                "mode": "0644",
+            }
+        ],
+        "commands": [
+            {
+                "argv": ["apt-get", "install", "-y", "nvidia-container-toolkit=1.17.8-1"],
+                "env": {},
+                "title": "install",
+            }
+        ]
+        if todo
+        else [],
+        "drift": [],
+        "warnings": [],
+        "notes": [],
+    }
+
+
+def plugin_install(*, dry_run: bool, action: str) -> dict[str, Any]:
+    return {
+        "schema": "gpunode.plugin-install/v1",
+        "changed": not dry_run and action != "unchanged",
+        "dry_run": dry_run,
+        "error": None,
+        "files": [
+            {
+                "path": "/etc/systemd/system/gpunode-device-plugin.service",
+                "action": action,
+                "content": "[Service]\nExecStart=/opt/gpunode/bin/gpunode plugin run\n",
+            }
+        ],
+        "commands": [
+            ["systemctl", "daemon-reload"],
+            ["systemctl", "enable", "gpunode-device-plugin.service"],
+        ],
+        "remove": [],
+        "wait_ready": False,
+        "notes": [],
+    }
+
+
+def advertise(*, dry_run: bool, capacity_before: int | None, count: int) -> dict[str, Any]:
+    todo = capacity_before != count
+    return {
+        "schema": "gpunode.node-advertise/v1",
+        "changed": not dry_run and todo,
+        "dry_run": dry_run,
+        "error": None,
+        "node": "gpu-1",
+        "node_source": "--node",
+        "resource": "nvidia.com/gpu",
+        "count": count,
+        "capacity_before": capacity_before,
+        "status_patch": [{"op": "add", "path": "/status/capacity/nvidia.com~1gpu", "value": str(count)}]
+        if todo
+        else [],
+        "node_patch": {"metadata": {"labels": {"nvidia.com/gpu.count": str(count)}}} if todo else None,
+        "labels_set": {"nvidia.com/gpu.count": str(count)} if todo else {},
+        "labels_removed": [],
+        "warnings": [],
+    }
+
+
+def step(name: str, status: str, details: list[str] | None = None) -> dict[str, Any]:
+    return {
+        "name": name,
+        "status": status,
+        "summary": f"{name}: {status}",
+        "details": details or [],
+        "warnings": [],
+        "fix": None,
+        "result": None,
+    }
+
+
+def check(id_: str, status: str, fix: str | None = None) -> dict[str, Any]:
+    return {"id": id_, "status": status, "summary": f"{id_} is {status}", "detail": None, "fix": fix}
+
+
+# name -> (the document gpunode prints, its exit status). Each is validated against its schema first.
+RESPONSES: dict[str, tuple[dict[str, Any], int]] = {
+    "toolkit-plan": (toolkit(dry_run=True, changed=False, installed=None), 0),
+    "toolkit-installed": (toolkit(dry_run=False, changed=False, installed="1.17.8"), 0),
+    "plugin-plan": (plugin_install(dry_run=True, action="create"), 0),
+    "plugin-unchanged": (plugin_install(dry_run=False, action="unchanged"), 0),
+    "plugin-uninstall": (
+        {
+            "schema": "gpunode.plugin-uninstall/v1",
+            "changed": True,
+            "dry_run": False,
+            "error": None,
+            "files": [],
+            "commands": [["systemctl", "disable", "--now", "gpunode-device-plugin.service"]],
+            "remove": ["/etc/systemd/system/gpunode-device-plugin.service"],
+            "wait_ready": False,
+            "notes": [],
+        },
+        0,
+    ),
+    "advertise-plan": (advertise(dry_run=True, capacity_before=None, count=8), 0),
+    "advertise-done": (advertise(dry_run=False, capacity_before=8, count=8), 0),
+    "advertise-forbidden": (
+        {"schema": "gpunode.node-advertise/v1", "changed": False, "dry_run": False, "error": ERROR_9},
+        9,
+    ),
+    "up-plan": (
+        {
+            "schema": "gpunode.up/v1",
+            "changed": False,
+            "dry_run": True,
+            "error": None,
+            "steps": [
+                step("preflight", "done"),
+                step("runtime", "to do", ["--- a/etc/containerd/config.toml", "+runtimes.nvidia"]),
+                step("plugin", "to do", ["write /etc/systemd/system/gpunode-device-plugin.service"]),
+            ],
+        },
+        0,
+    ),
+    "up-done": (
+        {
+            "schema": "gpunode.up/v1",
+            "changed": True,
+            "dry_run": False,
+            "error": None,
+            "steps": [step("preflight", "done"), step("runtime", "done now"), step("plugin", "done")],
+        },
+        0,
+    ),
+    "down-nothing": (
+        {
+            "schema": "gpunode.down/v1",
+            "changed": False,
+            "dry_run": False,
+            "error": None,
+            "steps": [step("plugin", "skipped"), step("runtime", "done")],
+        },
+        0,
+    ),
+    "doctor-unhealthy": (
+        {
+            "schema": "gpunode.doctor/v1",
+            "changed": False,
+            "dry_run": False,
+            "error": None,
+            "healthy": False,
+            "counts": {"ok": 1, "warn": 0, "fail": 1, "skip": 0},
+            "checks": [
+                check("os.distribution", "ok"),
+                check("nvml.init", "fail", "install the NVIDIA driver"),
+            ],
+        },
+        1,
+    ),
+}
+
+# The stand-in gpunode: records its arguments (and a --kubeconfig file's content and mode), then prints the
+# response the task named in FAKE_GPUNODE_RESPONSE, or crashes without a document when told to.
+FAKE = """#!{python}
+import json, os, stat, sys
+argv = sys.argv[1:]
+record = {{"argv": argv}}
+path = argv[argv.index("--kubeconfig") + 1] if "--kubeconfig" in argv else None
+if path and os.path.exists(path):
+    record["kubeconfig"] = open(path).read()
+    record["kubeconfig_mode"] = stat.S_IMODE(os.stat(path).st_mode)
+with open(os.environ["FAKE_GPUNODE_LOG"], "a") as log:
+    log.write(json.dumps(record) + "\\n")
+name = os.environ["FAKE_GPUNODE_RESPONSE"]
+if name == "crash":
+    sys.stderr.write("Traceback (most recent call last):\\nRuntimeError: boom\\n")
+    sys.exit(70)
+document, rc = json.load(open(os.environ["FAKE_GPUNODE_RESPONSES"]))[name]
+print(json.dumps(document))
+sys.exit(rc)
+"""
+
+# (task name, module, arguments, check mode, response). Run in one play, in this order.
+TASKS: list[tuple[str, str, dict[str, Any], bool, str]] = [
+    ("toolkit_check", "gpunode_toolkit", {"version": "1.17.8"}, True, "toolkit-plan"),
+    ("toolkit_again", "gpunode_toolkit", {"version": "1.17.8"}, False, "toolkit-installed"),
+    (
+        "plugin_check",
+        "gpunode_plugin",
+        {"config": "/etc/gpunode/p.toml", "start": False},
+        True,
+        "plugin-plan",
+    ),
+    ("plugin_again", "gpunode_plugin", {}, False, "plugin-unchanged"),
+    ("plugin_absent", "gpunode_plugin", {"state": "absent"}, False, "plugin-uninstall"),
+    (
+        "node_check",
+        "gpunode_node",
+        {"node": "gpu-1", "kubeconfig_content": KUBECONFIG},
+        True,
+        "advertise-plan",
+    ),
+    (
+        "node_again",
+        "gpunode_node",
+        {"node": "gpu-1", "kubeconfig_content": KUBECONFIG},
+        False,
+        "advertise-done",
+    ),
+    (
+        "node_denied",
+        "gpunode_node",
+        {"kubeconfig": "/etc/kubernetes/kubelet.conf"},
+        False,
+        "advertise-forbidden",
+    ),
+    ("up_check", "gpunode_up", {"runtime": "containerd", "toolkit_version": "1.17.8"}, True, "up-plan"),
+    ("up_apply", "gpunode_up", {"runtime": "containerd", "labels": False}, False, "up-done"),
+    ("down_nothing", "gpunode_down", {"toolkit": True}, False, "down-nothing"),
+    ("doctor_facts", "gpunode_doctor", {}, False, "doctor-unhealthy"),
+    ("doctor_strict", "gpunode_doctor", {"fail_on_unhealthy": True}, False, "doctor-unhealthy"),
+    ("crash", "gpunode_runtime", {"runtime": "containerd"}, False, "crash"),
+]
+
+
+@pytest.fixture(scope="module")
+def ran(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    playbook_tool = BIN / "ansible-playbook"
+    if not os.access(playbook_tool, os.X_OK):
+        why = f"{playbook_tool} is missing: ansible-core is in the [dev] extras (./install.sh --dev)"
+        if os.environ.get("CI"):
+            pytest.fail(why)
+        pytest.skip(why)
+    top = tmp_path_factory.mktemp("modules")
+    # The collection straight from the source tree, where Ansible looks for gpunode.gpunode.
+    namespace = top / "collections" / "ansible_collections" / "gpunode"
+    namespace.mkdir(parents=True)
+    (namespace / "gpunode").symlink_to(REPO / "ansible")
+    fake = top / "gpunode"
+    fake.write_text(FAKE.format(python=sys.executable))
+    fake.chmod(0o755)
+    responses = top / "responses.json"
+    responses.write_text(json.dumps(RESPONSES))
+    tasks: list[dict[str, Any]] = []
+    for name, module, args, check_mode, response in TASKS:
+        tasks.append(
+            {
+                "name": name,
+                f"gpunode.gpunode.{module}": {**args, "gpunode_path": str(fake)},
+                "check_mode": check_mode,
+                "diff": True,
+                "environment": {"FAKE_GPUNODE_RESPONSE": response},
+                "register": name,
+                "ignore_errors": True,
+            }
+        )
+    results = top / "results.json"
+    everything = "{" + ", ".join(f"'{name}': {name}" for name, *_ in TASKS) + "}"
+    tasks.append(
+        {
+            "name": "results",
+            "ansible.builtin.copy": {"content": "{{ " + everything + " | to_json }}", "dest": str(results)},
+            "check_mode": False,
+            "diff": False,
+        }
+    )
+    play = [{"name": "modules", "hosts": "localhost", "gather_facts": False, "tasks": tasks}]
+    (top / "play.yml").write_text(yaml.safe_dump(play, sort_keys=False))
+    log = top / "calls.jsonl"
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "LANG": "C.UTF-8",
+        "HOME": str(top),
+        "ANSIBLE_HOME": str(top / "ansible-home"),
+        "ANSIBLE_LOCAL_TEMP": str(top / "ansible-tmp"),
+        "ANSIBLE_COLLECTIONS_PATH": str(top / "collections"),
+        "ANSIBLE_NOCOLOR": "1",
+        "FAKE_GPUNODE_LOG": str(log),
+        "FAKE_GPUNODE_RESPONSES": str(responses),
+    }
+    run = subprocess.run(
+        [
+            str(playbook_tool),
+            "-v",  # every result printed: the secret must not be in any of them
+            "-i",
+            "localhost,",
+            "-c",
+            "local",
+            "-e",
+            f"ansible_python_interpreter={sys.executable}",
+            str(top / "play.yml"),
+        ],
+        cwd=top,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    return {
+        "results": json.loads(results.read_text()),
+        "calls": dict(zip([name for name, *_ in TASKS], calls, strict=True)),
+        "stdout": run.stdout,
+    }
+
+
+@pytest.mark.parametrize("name", sorted(RESPONSES))
+def test_recorded_documents_are_valid(name: str) -> None:
+    document, _ = RESPONSES[name]
+    command = document["schema"].removeprefix("gpunode.").removesuffix("/v1")
+    jsonschema.validate(document, schemas.load(command))
+
+
+def test_check_mode_runs_dry_run_and_reports_what_would_change(ran: dict[str, Any]) -> None:
+    results, calls = ran["results"], ran["calls"]
+    toolkit_check = results["toolkit_check"]
+    assert calls["toolkit_check"]["argv"] == [
+        "toolkit", "install", "--version", "1.17.8", "--yes", "--json", "--dry-run",
+    ]  # fmt: skip
+    assert toolkit_check["changed"] is True and not toolkit_check.get("failed")
+    assert toolkit_check["msg"] == "nvidia-container-toolkit would be installed (1.17.8)"
+    prepared = [d["prepared"] for d in toolkit_check["diff"] if "prepared" in d]
+    assert prepared == [TOOLKIT_DIFF]
+    packages = next(d for d in toolkit_check["diff"] if d.get("before_header") == "packages")
+    assert packages["before"] == "nvidia-container-toolkit None\nnvidia-container-toolkit-base None\n"
+    assert packages["after"] == "nvidia-container-toolkit 1.17.8\nnvidia-container-toolkit-base 1.17.8\n"
+
+    plugin_check = results["plugin_check"]
+    assert calls["plugin_check"]["argv"] == [
+        "plugin", "install", "--config", "/etc/gpunode/p.toml", "--no-start", "--json", "--dry-run",
+    ]  # fmt: skip
+    assert plugin_check["changed"] is True
+    (unit,) = plugin_check["diff"]
+    assert unit["before"] == "" and unit["after"].startswith("[Service]\nExecStart=")
+
+    up_check = results["up_check"]
+    assert calls["up_check"]["argv"] == [
+        "up", "--toolkit-version", "1.17.8", "--runtime", "containerd", "--yes", "--json", "--dry-run",
+    ]  # fmt: skip
+    assert up_check["changed"] is True and up_check["msg"] == "would do: runtime, plugin"
+    assert [d["prepared"].splitlines()[0] for d in up_check["diff"]] == [
+        "# runtime: runtime: to do (to do)",
+        "# plugin: plugin: to do (to do)",
+    ]
+    assert "+runtimes.nvidia" in up_check["diff"][0]["prepared"]
+
+
+def test_changed_is_gpunodes_own_outside_check_mode(ran: dict[str, Any]) -> None:
+    results, calls = ran["results"], ran["calls"]
+    for name in ("toolkit_again", "plugin_again", "node_again", "down_nothing"):
+        assert results[name]["changed"] is False, (name, results[name])
+        assert not results[name].get("failed"), (name, results[name])
+        assert "--dry-run" not in calls[name]["argv"], name
+    assert results["toolkit_again"]["msg"] == "nvidia-container-toolkit is already installed (1.17.8)"
+    assert results["down_nothing"]["msg"] == "nothing to undo"
+    assert calls["down_nothing"]["argv"] == ["down", "--toolkit", "--yes", "--json"]
+    assert results["plugin_absent"]["changed"] is True
+    assert calls["plugin_absent"]["argv"] == ["plugin", "uninstall", "--json"]
+    assert results["plugin_absent"]["diff"] == [
+        {
+            "before_header": "/etc/systemd/system/gpunode-device-plugin.service",
+            "after_header": "/etc/systemd/system/gpunode-device-plugin.service (removed)",
+            "before": "/etc/systemd/system/gpunode-device-plugin.service\n",
+            "after": "",
+        }
+    ]
+    up_apply = results["up_apply"]
+    assert up_apply["changed"] is True and up_apply["msg"] == "done: runtime"
+    assert calls["up_apply"]["argv"] == ["up", "--runtime", "containerd", "--no-labels", "--yes", "--json"]
+    assert up_apply["steps"] == [
+        {"name": "preflight", "status": "done"},
+        {"name": "runtime", "status": "done now"},
+        {"name": "plugin", "status": "done"},
+    ]
+
+
+def test_node_diff_and_the_kubeconfig_secret(ran: dict[str, Any]) -> None:
+    results, calls = ran["results"], ran["calls"]
+    node_check = results["node_check"]
+    assert node_check["changed"] is True
+    assert node_check["diff"] == {
+        "before": {"capacity": {"nvidia.com/gpu": None}},
+        "after": {
+            "capacity": {"nvidia.com/gpu": 8},
+            "labels_set": {"nvidia.com/gpu.count": "8"},
+            "labels_removed": [],
+        },
+    }
+    for name in ("node_check", "node_again"):
+        argv = calls[name]["argv"]
+        # gpunode got the kubeconfig as a private file, never as an argument.
+        assert argv[:5] == ["node", "advertise", "--node", "gpu-1", "--kubeconfig"], argv
+        assert Path(argv[5]).name.startswith("gpunode-kubeconfig-")
+        assert calls[name]["kubeconfig"] == KUBECONFIG
+        assert calls[name]["kubeconfig_mode"] == stat.S_IRUSR | stat.S_IWUSR
+        assert not Path(argv[5]).exists(), "the kubeconfig file outlived the run"
+    # Not in any result, nor in anything ansible-playbook printed (the diffs included).
+    assert SECRET not in json.dumps(results)
+    assert SECRET not in ran["stdout"]
+
+
+def test_failures_carry_gpunodes_error(ran: dict[str, Any]) -> None:
+    results, calls = ran["results"], ran["calls"]
+    denied = results["node_denied"]
+    assert denied["failed"] is True
+    assert denied["msg"] == ERROR_9["message"]
+    assert denied["fix"] == ERROR_9["fix"]
+    assert denied["exit_code"] == 9 and denied["rc"] == 9
+    assert calls["node_denied"]["argv"] == [
+        "node", "advertise", "--kubeconfig", "/etc/kubernetes/kubelet.conf", "--json",
+    ]  # fmt: skip
+
+    crash = results["crash"]
+    assert crash["failed"] is True and crash["rc"] == 70
+    assert crash["msg"].startswith("gpunode printed no JSON document (exit status 70): Traceback")
+
+
+def test_doctor_facts_and_fail_on_unhealthy(ran: dict[str, Any]) -> None:
+    results = ran["results"]
+    facts = results["doctor_facts"]
+    # Unhealthy is a finding: the task succeeds (rc 1 notwithstanding) and the facts say why.
+    assert not facts["failed"] and facts["changed"] is False and facts["rc"] == 1
+    assert facts["ansible_facts"]["gpunode_doctor"]["healthy"] is False
+    assert [c["id"] for c in facts["ansible_facts"]["gpunode_doctor"]["checks"]] == [
+        "os.distribution",
+        "nvml.init",
+    ]
+    assert facts["failed_checks"] == ["nvml.init"]
+    assert facts["msg"] == "unhealthy: 1 ok, 0 warn, 1 fail, 0 skip"
+    strict = results["doctor_strict"]
+    assert strict["failed"] is True
+    assert strict["msg"] == (
+        "gpunode doctor: unhealthy; failed: nvml.init (nvml.init is fail) fix: install the NVIDIA driver"
+    )
