@@ -304,8 +304,21 @@ def run(
 @click.option(
     "--json", "as_json", is_flag=True, help="Print one JSON document (schema gpunode.plugin-install/v1)."
 )
+@click.option(
+    "--doctor-metrics",
+    metavar="DIR",
+    help="Also install gpunode-doctor-metrics.timer: every 5 minutes `gpunode doctor --prometheus` writes "
+    "DIR/gpunode_doctor.prom for node_exporter's textfile collector (its --collector.textfile.directory).",
+)
 @click.pass_context
-def install(ctx: click.Context, config: str | None, dry_run: bool, no_start: bool, as_json: bool) -> None:
+def install(
+    ctx: click.Context,
+    config: str | None,
+    dry_run: bool,
+    no_start: bool,
+    as_json: bool,
+    doctor_metrics: str | None,
+) -> None:
     """Install the plugin as the systemd service gpunode-device-plugin, start it, wait until registered."""
     from gpunode import jsonout
     from gpunode.cli.state import state
@@ -317,7 +330,11 @@ def install(ctx: click.Context, config: str | None, dry_run: bool, no_start: boo
     if not dry_run:
         service.require_root(host, "plugin install")
     plan = service.plan_install(
-        host, config_file=config, start=not no_start, executable=service.gpunode_executable()
+        host,
+        config_file=config,
+        start=not no_start,
+        executable=service.gpunode_executable(),
+        doctor_metrics=doctor_metrics,
     )
     if dry_run:
         if as_json:

@@ -21,7 +21,7 @@ from importlib import resources
 from pathlib import Path
 
 from gpunode import paths
-from gpunode.errors import CommandFailed, GpunodeError, NotFound, PermissionDenied
+from gpunode.errors import CommandFailed, GpunodeError, NotFound, PermissionDenied, UsageError
 from gpunode.host import Host
 from gpunode.plugin import statusfile
 from gpunode.services import journal_tail
@@ -32,6 +32,10 @@ CONFIG_PATH = "/etc/gpunode/plugin.toml"
 RECORD_PATH = "/var/lib/gpunode/plugin-service.json"
 BACKUP_DIR = "/var/lib/gpunode/backups"
 STATUS_FILE = paths.PLUGIN_STATUS_FILE
+# `plugin install --doctor-metrics DIR`: doctor's findings for node_exporter's textfile collector (issue 18).
+DOCTOR_SERVICE = "gpunode-doctor-metrics.service"
+DOCTOR_TIMER = "gpunode-doctor-metrics.timer"
+DOCTOR_FILE = "gpunode_doctor.prom"
 READY_TIMEOUT = 120.0
 SYSTEMCTL_TIMEOUT = 60.0
 SHOW_PROPERTIES = (
@@ -161,6 +165,22 @@ def render_unit(executable: str) -> str:
     return text
 
 
+def render_doctor_units(executable: str, directory: str) -> tuple[str, str]:
+    """The oneshot service and its timer that write DIR/gpunode_doctor.prom (node_exporter's
+    --collector.textfile.directory)."""
+    if not directory.startswith("/") or not _PLAIN_PATH.fullmatch(directory):
+        raise UsageError(
+            f"--doctor-metrics {directory!r}: not an absolute path of plain characters",
+            "give node_exporter's --collector.textfile.directory, e.g. "
+            "/var/lib/node_exporter/textfile_collector",
+        )
+    templates = resources.files("gpunode.templates")
+    target = directory.rstrip("/") + "/" + DOCTOR_FILE
+    unit = templates.joinpath(DOCTOR_SERVICE).read_text(encoding="utf-8")
+    unit = unit.replace("@GPUNODE@", exec_path(executable)).replace("@FILE@", target)
+    return unit, templates.joinpath(DOCTOR_TIMER).read_text(encoding="utf-8")
+
+
 def hardening_relaxed(executable: str) -> list[str]:
     """The hardening options render_unit turns off for this location (to tell the operator)."""
     return [
@@ -210,17 +230,36 @@ def _planned_file(host: Host, path: str, content: str, mode: int = 0o644) -> Fil
     return FileWrite(path, content, mode, before, wrong_mode=wrong)
 
 
-def plan_install(host: Host, *, config_file: str | None, start: bool, executable: str) -> ServicePlan:
-    """What install would write and run. A config file is validated first (before systemd is touched)."""
+def plan_install(
+    host: Host,
+    *,
+    config_file: str | None,
+    start: bool,
+    executable: str,
+    doctor_metrics: str | None = None,
+) -> ServicePlan:
+    """What install would write and run. A config file is validated first (before systemd is touched).
+    `doctor_metrics` (a directory): also the timer that writes doctor's findings there."""
     files = [_planned_file(host, UNIT_PATH, render_unit(executable))]
     if config_file is not None:
         files.append(_planned_file(host, CONFIG_PATH, _validated_config(host, config_file)))
+    doctor_files = []
+    if doctor_metrics is not None:
+        doctor_unit, timer = render_doctor_units(executable, doctor_metrics)
+        doctor_files = [
+            _planned_file(host, f"/etc/systemd/system/{DOCTOR_SERVICE}", doctor_unit),
+            _planned_file(host, f"/etc/systemd/system/{DOCTOR_TIMER}", timer),
+        ]
     state = service_state(host)
     commands: list[tuple[str, ...]] = []
     unit_changed = files[0].changed
     config_changed = len(files) > 1 and files[1].changed
-    if unit_changed:
+    doctor_changed = any(f.changed for f in doctor_files)
+    files += doctor_files
+    if unit_changed or doctor_changed:
         commands.append(("systemctl", "daemon-reload"))
+    if doctor_changed:
+        commands.append(("systemctl", "enable", "--now", DOCTOR_TIMER))
     if not state.enabled or unit_changed:
         commands.append(("systemctl", "enable", UNIT))
     running = state.active in ("active", "activating", "reloading")
@@ -331,7 +370,9 @@ def plan_uninstall(host: Host) -> ServicePlan:
     commands: list[tuple[str, ...]] = []
     if state.active not in ("inactive", "unknown") or state.enabled:
         commands.append(("systemctl", "disable", "--now", UNIT))
-    if UNIT_PATH in remove:
+    if f"/etc/systemd/system/{DOCTOR_TIMER}" in record:
+        commands.append(("systemctl", "disable", "--now", DOCTOR_TIMER))
+    if UNIT_PATH in remove or f"/etc/systemd/system/{DOCTOR_TIMER}" in remove:
         commands.append(("systemctl", "daemon-reload"))
     if not record and host.exists(UNIT_PATH):
         notes.append(f"{UNIT_PATH} was not installed by gpunode (no record); left in place")
