@@ -140,7 +140,7 @@ def session(tree: Tree, args: Sequence[str] = ()) -> Iterator[tuple[FakeKubelet,
         shutil.rmtree(base, ignore_errors=True)
 
 
-def bench_start(all_trees: list[Tree], runs: int) -> None:
+def bench_start(all_trees: list[Tree], runs: int, extra: Sequence[str] = ()) -> None:
     print("### Start → registered\n")
     cases = [("fake NVML `pcie-4`", ()), ("`--simulate pcie-4`", ("--simulate", "pcie-4"))]
     rows = []
@@ -148,7 +148,7 @@ def bench_start(all_trees: list[Tree], runs: int) -> None:
         samples: dict[str, list[float]] = {t.label: [] for t in all_trees}
         for run in range(runs + 1):
             for tree in all_trees:
-                with session(tree, args) as (kubelet, plugin):
+                with session(tree, [*args, *extra]) as (kubelet, plugin):
                     registration = kubelet.wait_registered(GPU, timeout=60)
                     if run > 0:  # the first run of each warms the page cache
                         samples[tree.label].append(registration.time - plugin.started)
@@ -253,7 +253,9 @@ def main() -> None:
     parser.add_argument("--allocates", type=int, default=20_000)
     parser.add_argument("--only", default="start,rss,allocate")
     parser.add_argument(
-        "--plugin-args", default="", help="extra `plugin run` arguments for rss/allocate, space-separated"
+        "--plugin-args",
+        default="",
+        help="extra `plugin run` arguments for every plugin started, space-separated",
     )
     parser.add_argument("--no-worktree", action="store_true", help="only the baselines (and --tree)")
     args = parser.parse_args()
@@ -267,7 +269,7 @@ def main() -> None:
     with trees(args.baseline, args.tree) as found:
         all_trees = found[1:] if args.no_worktree else found
         if "start" in only:
-            bench_start(all_trees, args.runs)
+            bench_start(all_trees, args.runs, args.plugin_args.split())
         if only & {"rss", "allocate"}:
             bench_rss_and_allocate(
                 all_trees, args.allocates, "rss" in only, "allocate" in only, args.plugin_args.split()
