@@ -2,11 +2,13 @@
 
 One option table serves both forms: the settings a node's plugin resolves (file, environment, flags) become
 the ConfigMap's `plugin.toml`, which the container reads with `--config` semantics (GPUNODE_PLUGIN_CONFIG).
-Three settings name host paths and are the DaemonSet's business instead: `driver-root` and `socket-dir`
-become hostPath volumes, mounted at fixed paths in the container, and the container is told those paths by
-environment (which wins over the file); `dev-root` is set to `/` there, so device specs name the host's
-/dev, which is where kubelet and the runtime look. deploy/ and the Helm chart in deploy/helm hold the same
-objects (tests/integration/test_daemonset.py keeps the three equal).
+Settings that name host paths or one node are the DaemonSet's business instead: `driver-root` and
+`socket-dir` become hostPath volumes, mounted at fixed paths in the container, and the container is told
+those paths by environment (which wins over the file); `dev-root` is `/` there, so device specs name the
+host's /dev, which is where kubelet and the runtime look; `node-name` is each pod's node (the downward
+API); `events.kubeconfig` is a kubeconfig for the pod's ServiceAccount, kept in the ConfigMap.
+deploy/ and the Helm chart in deploy/helm hold the same objects (tests/integration/test_daemonset.py keeps
+the three equal).
 
 PyYAML is imported only here, when the manifests are printed.
 """
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from gpunode import __version__
@@ -31,8 +33,31 @@ CONFIG_DIR = "/etc/gpunode"
 CONFIG_FILE = f"{CONFIG_DIR}/plugin.toml"
 STATUS_DIR = "/run/gpunode"
 STATUS_FILE = f"{STATUS_DIR}/plugin-status.json"
-# Settings the DaemonSet sets itself: they name paths on the host, not in the container.
-HOST_PATH_OPTIONS = ("driver_root", "dev_root", "socket_dir")
+# Settings the DaemonSet sets itself: they name paths on the host (not in the container) or one node.
+HOST_PATH_OPTIONS = ("driver_root", "dev_root", "socket_dir", "events_kubeconfig", "node_name")
+KUBECONFIG_FILE = f"{CONFIG_DIR}/kubeconfig"
+# The pod's ServiceAccount as a kubeconfig: the plugin's Event reporter reads a kubeconfig file (on a node,
+# kubelet's own); in the pod it is this one, with the token and CA kubelet mounts for the ServiceAccount.
+SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
+IN_CLUSTER_KUBECONFIG = f"""\
+apiVersion: v1
+kind: Config
+clusters:
+- name: in-cluster
+  cluster:
+    server: https://kubernetes.default.svc
+    certificate-authority: {SERVICE_ACCOUNT}/ca.crt
+users:
+- name: gpunode-device-plugin
+  user:
+    tokenFile: {SERVICE_ACCOUNT}/token
+contexts:
+- name: gpunode-device-plugin
+  context:
+    cluster: in-cluster
+    user: gpunode-device-plugin
+current-context: gpunode-device-plugin
+"""
 # GPU feature discovery's label, which `gpunode node advertise` also sets.
 NODE_SELECTOR = {"nvidia.com/gpu.present": "true"}
 TOLERATIONS: tuple[dict[str, str], ...] = (
@@ -49,7 +74,8 @@ class ManifestOptions:
     driver_root: str = "/"
     socket_dir: str = CONTAINER_SOCKET_DIR
     status_file: str = STATUS_FILE  # in the container, on an emptyDir
-    # RBAC for the Events on the Node and its GPUHealthy condition (issue 18); off: no API access at all.
+    # Events on the Node and its GPUHealthy condition (issue 18): their RBAC and credentials, and the
+    # reporter turned on; off: no API access at all (unless the config turns events on).
     events: bool = False
 
 
@@ -87,6 +113,9 @@ def _labels(component: str | None = None) -> dict[str, str]:
 def objects(options: ManifestOptions, toml_text: str) -> list[dict[str, Any]]:
     """Namespace, ServiceAccount, (RBAC), ConfigMap and DaemonSet, in the order `kubectl apply` needs."""
     ns = options.namespace
+    data = {"plugin.toml": toml_text}
+    if options.events:
+        data["kubeconfig"] = IN_CLUSTER_KUBECONFIG
     meta = {"name": NAME, "namespace": ns, "labels": _labels()}
     out: list[dict[str, Any]] = [
         {
@@ -116,7 +145,7 @@ def objects(options: ManifestOptions, toml_text: str) -> list[dict[str, Any]]:
             "apiVersion": "v1",
             "kind": "ConfigMap",
             "metadata": {"name": f"{NAME}-config", "namespace": ns, "labels": _labels()},
-            "data": {"plugin.toml": toml_text},
+            "data": data,
         }
     )
     out.append(_daemonset(options, toml_text))
@@ -124,11 +153,11 @@ def objects(options: ManifestOptions, toml_text: str) -> list[dict[str, Any]]:
 
 
 def _rbac(namespace: str) -> list[dict[str, Any]]:
-    # Exactly what issue 18's reporter needs: Events about the Node (create, and patch to bump the count of
-    # a repeated one; core v1 or events.k8s.io/v1, whichever the server offers) and the GPUHealthy condition
-    # (a patch of nodes/status, after reading the Node's current conditions).
+    # Exactly what the plugin's reporter (gpunode/kube/events.py) sends: core v1 Events about the Node
+    # (POST, namespace default) and the GPUHealthy condition (GET the Node, then a JSON patch of
+    # nodes/status guarded by the resourceVersion read).
     rules = [
-        {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
+        {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
         {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]},
         {"apiGroups": [""], "resources": ["nodes/status"], "verbs": ["patch"]},
     ]
@@ -163,7 +192,13 @@ def _daemonset(options: ManifestOptions, toml_text: str) -> dict[str, Any]:
         {"name": "GPUNODE_DRIVER_ROOT", "value": CONTAINER_DRIVER_ROOT},
         # Device nodes are named as the host has them: kubelet and the runtime read these paths there.
         {"name": "GPUNODE_DEV_ROOT", "value": "/"},
+        # The pod's host name is the pod's; the node's name is what Events and the condition need.
+        {"name": "GPUNODE_NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
     ]
+    # Said either way: the plugin's own default is on, with kubelet's kubeconfig, which a pod has not.
+    env.append({"name": "GPUNODE_EVENTS_ENABLED", "value": "true" if options.events else "false"})
+    if options.events:
+        env.append({"name": "GPUNODE_EVENTS_KUBECONFIG", "value": KUBECONFIG_FILE})
     container = {
         "name": "device-plugin",
         "image": options.image,
@@ -263,4 +298,9 @@ def to_yaml(items: Sequence[dict[str, Any]]) -> str:
 
 
 def manifests(config: PluginConfig, options: ManifestOptions) -> str:
+    """The manifests as YAML; a config that turns events on (explicitly: on a node they are on by default,
+    with kubelet's credentials) gets their RBAC and credentials too."""
+    explicit = config.origins.get("events_enabled", "default") != "default"
+    if config.events_enabled and explicit and not options.events:
+        options = replace(options, events=True)
     return to_yaml(objects(options, config_toml(config)))

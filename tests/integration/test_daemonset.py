@@ -166,7 +166,7 @@ def test_the_daemonset_is_a_device_plugins(tmp_path: Path, capsys: pytest.Captur
     assert mounts["device-plugins"]["mountPath"] == "/var/lib/kubelet/device-plugins"
     assert volumes["driver-root"]["hostPath"]["path"] == "/"
     assert mounts["driver-root"] == {"name": "driver-root", "mountPath": "/driver-root", "readOnly": True}
-    env = {e["name"]: e["value"] for e in container["env"]}
+    env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["GPUNODE_PLUGIN_CONFIG"] == "/etc/gpunode/plugin.toml"
     assert env["GPUNODE_DRIVER_ROOT"] == "/driver-root"
     assert container["livenessProbe"]["exec"]["command"] == [
@@ -207,7 +207,9 @@ def test_node_config_becomes_the_configmap_and_host_paths(
     configmap = next(o for o in objects if o["kind"] == "ConfigMap")
     (tmp_path / "cm.toml").write_text(configmap["data"]["plugin.toml"])
     container_env = {
-        e["name"]: e["value"] for e in daemonset["spec"]["template"]["spec"]["containers"][0]["env"]
+        e["name"]: e["value"]
+        for e in daemonset["spec"]["template"]["spec"]["containers"][0]["env"]
+        if "value" in e
     }
     in_pod = load_config(Host(root=tmp_path, env={}), config_path="/cm.toml", env=container_env)
     on_node = load_config(Host(root=tmp_path, env={}), env={"GPUNODE_PLACEMENT": "packed"})
@@ -230,19 +232,37 @@ def test_rbac_grants_only_events_and_the_node_condition(
         for resource in rule["resources"]
         for verb in rule["verbs"]
     }
-    assert granted == {
-        ("", "events", "create"),
-        ("", "events", "patch"),
-        ("events.k8s.io", "events", "create"),
-        ("events.k8s.io", "events", "patch"),
-        ("", "nodes", "get"),
-        ("", "nodes/status", "patch"),
-    }
+    # What gpunode/kube/events.py sends: POST of a core v1 Event, GET of the Node, PATCH of nodes/status.
+    assert granted == {("", "events", "create"), ("", "nodes", "get"), ("", "nodes/status", "patch")}
     assert objects[1]["automountServiceAccountToken"] is True
+    # The reporter reads a kubeconfig: the ServiceAccount's, from the ConfigMap; the node is the pod's.
+    configmap = next(o for o in objects if o["kind"] == "ConfigMap")
+    kubeconfig = yaml.safe_load(configmap["data"]["kubeconfig"])
+    assert kubeconfig["users"][0]["user"] == {
+        "tokenFile": "/var/run/secrets/kubernetes.io/serviceaccount/token"
+    }
+    container = objects[-1]["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["GPUNODE_EVENTS_ENABLED"]["value"] == "true"
+    assert env["GPUNODE_EVENTS_KUBECONFIG"]["value"] == "/etc/gpunode/kubeconfig"
+    assert env["GPUNODE_NODE_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
     binding = next(o for o in objects if o["kind"] == "ClusterRoleBinding")
     assert binding["subjects"] == [
         {"kind": "ServiceAccount", "name": "gpunode-device-plugin", "namespace": "gpunode-system"}
     ]
+
+
+def test_events_turned_on_by_the_config_get_their_rbac(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # On a node events are on by default (kubelet's credentials); in a pod only when asked for.
+    assert "ClusterRole" not in [o["kind"] for o in documents(plugin_manifest(tmp_path, capsys))]
+    (tmp_path / "plugin.toml").write_text("[events]\nenabled = true\n")
+    printed = documents(plugin_manifest(tmp_path, capsys, "--config", "/plugin.toml"))
+    assert "ClusterRole" in [o["kind"] for o in printed]
+    rendered = render_chart({"config": {"events": {"enabled": True}}})
+    validate(rendered)
+    assert comparable(rendered) == comparable(printed)
 
 
 def test_chart_with_default_values_renders_deploy() -> None:

@@ -195,7 +195,8 @@ def daemonset_form(config_text: str) -> tuple[dict[str, str], dict[str, str], st
         objects: list[dict[str, Any]] = [d for d in yaml.safe_load_all(out_path.read_text()) if d]
     daemonset = next(o for o in objects if o["kind"] == "DaemonSet")
     [container] = daemonset["spec"]["template"]["spec"]["containers"]
-    env = {e["name"]: e["value"] for e in container["env"]}
+    # Values only: GPUNODE_NODE_NAME comes from the downward API, which this stand-in has not.
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
     configmap = next(o for o in objects if o["kind"] == "ConfigMap")
     probe = container["livenessProbe"]["exec"]["command"]

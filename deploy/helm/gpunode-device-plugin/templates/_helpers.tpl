@@ -25,6 +25,14 @@ integers here; strings as JSON strings, which TOML reads the same (basic strings
 {{- end -}}
 {{- end }}
 
+{{/* "true" when the plugin reports Events and the GPUHealthy condition: events.enabled, or the config's
+own events.enabled (as `gpunode plugin manifest` decides). */}}
+{{- define "gpunode.events" -}}
+{{- $fromConfig := false }}
+{{- with .Values.config.events }}{{ $fromConfig = .enabled }}{{ end }}
+{{- if or .Values.events.enabled $fromConfig }}true{{ else }}false{{ end }}
+{{- end }}
+
 {{/* The ConfigMap's plugin.toml: .Values.config's keys, its maps as [tables]. Its digest, on the pod
 template, rolls the pods when it changes. */}}
 {{- define "gpunode.configToml" -}}
