@@ -28,6 +28,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -61,6 +62,22 @@ RECAP = re.compile(
     r"^(?P<host>\S+)\s+:\s+ok=(?P<ok>\d+)\s+changed=(?P<changed>\d+)\s+unreachable=(?P<unreachable>\d+)"
     r"\s+failed=(?P<failed>\d+)\s+skipped=(?P<skipped>\d+)"
 )
+MODULES = ("doctor", "down", "node", "plugin", "runtime", "toolkit", "up")
+# docs/fleets.md shows these exactly (test_docs_show_what_is_tested).
+BUILD = (
+    "ansible-galaxy collection build ansible/ --output-path dist",
+    "ansible-galaxy collection install dist/gpunode-gpunode-0.1.0.tar.gz -p collections",
+)
+PLAN = "ansible-playbook -i inventory.ini site.yml --check --diff"
+APPLY = "ansible-playbook -i inventory.ini site.yml --diff"
+VERIFY = "ansible-playbook -i inventory.ini verify.yml"
+ANSIBLE_CFG = """\
+[defaults]
+collections_path = collections
+connection_plugins = tests/integration/ansible_connection
+[connection]
+pipelining = true
+"""
 # What the docs and the test use: the inventory's group variables for this fleet of machines without GPUs,
 # kubelet or NVIDIA's repositories.
 GROUP_VARS = """\
@@ -90,9 +107,12 @@ class Fleet:
     machines: dict[str, nspawn.Container]
     env: dict[str, str]
 
-    def playbook(self, *args: str) -> Run:
+    def playbook(self, command: str) -> Run:
+        """Run one of the documented ansible-playbook command lines in the fleet's directory."""
+        program, *args = shlex.split(command)
+        assert program == "ansible-playbook"
         result = subprocess.run(
-            [str(ansible_tool("ansible-playbook")), "-i", "inventory.ini", *args],
+            [str(ansible_tool(program)), *args],
             cwd=self.workdir,
             env=self.env,
             capture_output=True,
@@ -121,35 +141,6 @@ class Run:
         return f"exit {self.result.returncode}\n{self.result.stdout}\n{self.result.stderr}"
 
 
-@pytest.fixture(scope="module")
-def collections(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The collection built from ansible/ and installed from the tarball, as an operator would."""
-    galaxy = ansible_tool("ansible-galaxy")
-    top = tmp_path_factory.mktemp("collection")
-    env = {**os.environ, "ANSIBLE_HOME": str(top / "home"), "ANSIBLE_NOCOLOR": "1"}
-    built = subprocess.run(
-        [str(galaxy), "collection", "build", str(REPO / "ansible"), "--output-path", str(top / "dist")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        check=False,
-    )
-    assert built.returncode == 0, built.stdout + built.stderr
-    (tarball,) = (top / "dist").glob("gpunode-gpunode-*.tar.gz")
-    installed = subprocess.run(
-        [str(galaxy), "collection", "install", str(tarball), "-p", str(top / "collections")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        check=False,
-    )
-    assert installed.returncode == 0, installed.stdout + installed.stderr
-    assert (top / "collections/ansible_collections/gpunode/gpunode/plugins/modules/gpunode_up.py").is_file()
-    return top / "collections"
-
-
 def boot_machine(stack: contextlib.ExitStack, workdir: Path, binds: list[nspawn.Bind]) -> nspawn.Container:
     box = stack.enter_context(nspawn.boot(workdir, binds=binds, name_prefix="gpunode-fleet"))
     box.env["PATH"] = testbed.path_with(*DAEMON, rest=nspawn.ENV["PATH"])
@@ -171,22 +162,20 @@ def boot_machine(stack: contextlib.ExitStack, workdir: Path, binds: list[nspawn.
 
 
 @pytest.fixture
-def fleet(tmp_path: Path, collections: Path) -> Iterator[Fleet]:
+def fleet(tmp_path: Path) -> Iterator[Fleet]:
     binds = prerequisites()
+    galaxy = ansible_tool("ansible-galaxy")
     ansible_tool("ansible-playbook")
     with contextlib.ExitStack() as stack:
         machines = {host: boot_machine(stack, tmp_path / host, binds) for host in HOSTS}
         workdir = tmp_path / "fleet"
         workdir.mkdir()
+        # The docs' commands run as written, from a directory where ansible/ and tests/ are the checkout's.
+        (workdir / "ansible").symlink_to(REPO / "ansible")
+        (workdir / "tests").symlink_to(REPO / "tests")
         for playbook in ("site.yml", "verify.yml"):
             shutil.copy(EXAMPLES / playbook, workdir / playbook)
-        (workdir / "ansible.cfg").write_text(
-            "[defaults]\n"
-            f"collections_path = {collections}\n"
-            f"connection_plugins = {CONNECTION_PLUGINS}\n"
-            "[connection]\n"
-            "pipelining = true\n"
-        )
+        (workdir / "ansible.cfg").write_text(ANSIBLE_CFG)
         # The machines' PATH: gpunode finds containerd and ctr there, as where they are installed.
         path = testbed.path_with(*DAEMON, rest=nspawn.ENV["PATH"])
         (workdir / "inventory.ini").write_text(
@@ -205,6 +194,21 @@ def fleet(tmp_path: Path, collections: Path) -> Iterator[Fleet]:
             "ANSIBLE_LOCAL_TEMP": str(tmp_path / "ansible-tmp"),
             "ANSIBLE_NOCOLOR": "1",
         }
+        # The collection built from ansible/ and installed from its tarball, as an operator would.
+        for command in BUILD:
+            argv = shlex.split(command)
+            done = subprocess.run(
+                [str(galaxy), *argv[1:]],
+                cwd=workdir,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=300,
+                check=False,
+            )
+            assert done.returncode == 0, f"{command}:\n{done.stdout}{done.stderr}"
+        modules = workdir / "collections/ansible_collections/gpunode/gpunode/plugins/modules"
+        assert sorted(p.name for p in modules.glob("gpunode_*.py")) == [f"gpunode_{m}.py" for m in MODULES]
         yield Fleet(workdir=workdir, machines=machines, env=env)
 
 
@@ -217,7 +221,7 @@ def nvidia_runtime(box: nspawn.Container) -> dict[str, object] | None:
 def test_check_mode_then_apply_then_nothing_to_do(fleet: Fleet) -> None:
     before = {host: box.path(CONFIG).read_bytes() for host, box in fleet.machines.items()}
 
-    planned = fleet.playbook("site.yml", "--check", "--diff")
+    planned = fleet.playbook(PLAN)
     assert planned.result.returncode == 0, planned
     for host, counts in planned.recap.items():
         assert counts["failed"] == 0 and counts["changed"] == 1, f"{host}: {counts}\n{planned}"
@@ -232,7 +236,7 @@ def test_check_mode_then_apply_then_nothing_to_do(fleet: Fleet) -> None:
         assert box.path(CONFIG).read_bytes() == before[host], f"check mode changed {host}"
         assert not box.path("/var/lib/gpunode/backups").exists(), f"check mode left a backup on {host}"
 
-    applied = fleet.playbook("site.yml", "--diff")
+    applied = fleet.playbook(APPLY)
     assert applied.result.returncode == 0, applied
     for host, counts in applied.recap.items():
         assert counts["failed"] == 0 and counts["changed"] == 1, f"{host}: {counts}\n{applied}"
@@ -243,11 +247,11 @@ def test_check_mode_then_apply_then_nothing_to_do(fleet: Fleet) -> None:
         # The default restart happened and containerd came back with the new config.
         assert cri_state(box) == "ok", box.journal(UNIT)
 
-    verified = fleet.playbook("verify.yml")
+    verified = fleet.playbook(VERIFY)
     assert verified.result.returncode == 0, verified
     assert all(c["failed"] == 0 for c in verified.recap.values()), verified
 
-    again = fleet.playbook("site.yml", "--diff")
+    again = fleet.playbook(APPLY)
     assert again.result.returncode == 0, again
     for host, counts in again.recap.items():
         assert counts["changed"] == 0 and counts["failed"] == 0, f"{host}: {counts}\n{again}"
@@ -259,7 +263,7 @@ def test_a_broken_config_fails_its_machine_alone(fleet: Fleet) -> None:
     broken.path(CONFIG).write_text(broken.path(CONFIG).read_text() + "\n[plugins.broken\n")
     before = broken.path(CONFIG).read_bytes()
 
-    run = fleet.playbook("site.yml")
+    run = fleet.playbook(APPLY)
     assert run.result.returncode == 2, run  # ansible-playbook: some host failed
     recap = run.recap
     assert recap["node2"]["failed"] == 1, run
@@ -277,3 +281,25 @@ def test_a_broken_config_fails_its_machine_alone(fleet: Fleet) -> None:
     assert f'"msg": "{CONFIG} is not valid TOML: ' in failure[0], failure[0]
     assert f'"fix": "{error["fix"]}"' in failure[0] and '"exit_code": 4' in failure[0], failure[0]
     assert broken.path(CONFIG).read_bytes() == before
+
+
+def test_docs_show_what_is_tested() -> None:
+    """docs/fleets.md's Ansible section: the commands, config, variables and playbooks of this test."""
+    docs = (REPO / "docs" / "fleets.md").read_text()
+    section = docs[docs.index("## Ansible\n") : docs.index("## DaemonSet\n")]
+    for command in (*BUILD, PLAN, APPLY, VERIFY):
+        assert f"   {command}" in section, command
+    assert _indented(ANSIBLE_CFG) in section
+    assert _indented(GROUP_VARS) in section
+    for playbook in ("site.yml", "verify.yml"):
+        # The files less their leading comment and document start, indented as in the list item.
+        body = "".join(
+            line
+            for line in (EXAMPLES / playbook).read_text().splitlines(keepends=True)
+            if not line.startswith(("#", "---"))
+        )
+        assert _indented(body) in section, playbook
+
+
+def _indented(text: str) -> str:
+    return "".join(f"   {line}" if line.strip() else line for line in text.splitlines(keepends=True))
