@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import hashlib
 import re
+import shlex
 import tempfile
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -325,3 +327,45 @@ def test_bad_options_are_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixt
     (tmp_path / "bad.toml").write_text("replica = 4\n")
     assert main(["plugin", "manifest", "--config", "/bad.toml"], host=host) == 4
     assert "replica" in capsys.readouterr().err
+
+
+def fleets_commands() -> tuple[str, list[str]]:
+    """docs/fleets.md's values.yaml (the heredoc) and its command lines, as written there."""
+    text = (REPO / "docs/fleets.md").read_text()
+    section = text.split("## DaemonSet", 1)[1]
+    blocks = [textwrap.dedent(b) for b in re.findall(r"```bash\n(.*?)```", section, re.DOTALL)]
+    script = "\n".join(blocks)
+    values = re.search(r"cat > values.yaml <<'EOF'\n(.*?)\nEOF\n", script, re.DOTALL)
+    assert values, "docs/fleets.md: no values.yaml heredoc"
+    lines = [line.strip() for line in script.splitlines() if line.strip()]
+    return values.group(1), lines
+
+
+def test_fleets_values_render_as_documented() -> None:
+    values_text, lines = fleets_commands()
+    assert "helm install gpunode-device-plugin deploy/helm/gpunode-device-plugin -f values.yaml" in lines
+    values = yaml.safe_load(values_text)
+    rendered = render_chart(values)
+    validate(rendered)
+    daemonset = next(o for o in rendered if o["kind"] == "DaemonSet")
+    [container] = daemonset["spec"]["template"]["spec"]["containers"]
+    assert container["image"] == f"{values['image']['repository']}:0.1.0"
+    plugin_toml = next(o for o in rendered if o["kind"] == "ConfigMap")["data"]["plugin.toml"]
+    resolved = settings(plugin_toml)
+    assert resolved["time-slicing.replicas"] == 4 and resolved["time-slicing.rename-by-default"] is True
+    # The probe and the status command the page shows are the DaemonSet's own.
+    probe = " ".join(container["livenessProbe"]["exec"]["command"])
+    assert any(line.endswith(f"-- {probe}") for line in lines), probe
+
+
+def test_fleets_plugin_manifest_line_runs_as_documented(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, lines = fleets_commands()
+    [line] = [line for line in lines if line.startswith("gpunode plugin manifest ")]
+    command, _, consumer = line.partition(" | ")
+    assert consumer == "kubectl apply -f -"  # not run: no cluster here
+    objects = documents(plugin_manifest(tmp_path, capsys, *shlex.split(command)[3:]))
+    validate(objects)
+    daemonset = objects[-1]
+    assert daemonset["spec"]["template"]["spec"]["containers"][0]["image"] == shlex.split(command)[-1]
