@@ -48,6 +48,7 @@ from tests.integration.kubelet import FakeKubelet  # noqa: E402
 GPU = "nvidia.com/gpu"
 SOCKET = "gpunode-nvidia.com-gpu.sock"
 pb_grpc: Any = deviceplugin_pb2_grpc
+EXTRA_ENV: dict[str, str] = {}  # --env: for every plugin started (a variable older trees ignore)
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,7 @@ class Plugin:
         env.update(
             PYTHONPATH=str(tree.path), GPUNODE_PLUGIN_STATUS_FILE=str(socket_dir.parent / "status.json")
         )
+        env.update(EXTRA_ENV)
         self.log = socket_dir.parent / "plugin.log"
         argv = [sys.executable, "-m", "gpunode", "plugin", "run", "--socket-dir", str(socket_dir), *args]
         self.started = time.monotonic()
@@ -257,9 +259,11 @@ def main() -> None:
         default="",
         help="extra `plugin run` arguments for every plugin started, space-separated",
     )
+    parser.add_argument("--env", action="append", default=[], help="KEY=VALUE for every plugin (repeatable)")
     parser.add_argument("--no-worktree", action="store_true", help="only the baselines (and --tree)")
     args = parser.parse_args()
     only = set(args.only.split(","))
+    EXTRA_ENV.update(item.split("=", 1) for item in args.env)
     fakenvml.build()
     print(
         f"Plugin A/B, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC: Python "
