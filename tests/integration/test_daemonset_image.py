@@ -265,6 +265,11 @@ def test_plugin_in_the_image_registers_through_the_mounted_socket_dir(
                 answer = kubelet.allocate(GPU, [[devices[0].id]])
                 [response] = answer.container_responses
                 assert response.envs["NVIDIA_VISIBLE_DEVICES"] == devices[0].id.split("::")[0]
+                # A kubelet restart is seen through the mount (inotify on the bound directory): served and
+                # registered again, as on the host.
+                restarted = kubelet.restart()
+                kubelet.wait_registered(GPU, after=restarted, timeout=120)
+                kubelet.wait_for_devices(GPU, lambda d: len(d) == 8, timeout=120)
             finally:
                 (status_dir / stop.name).touch()
                 thread.join(timeout=600)
