@@ -201,11 +201,14 @@ class NodeReporter(HealthReporter):
             f"{resource}: the device plugin cannot register with kubelet: {why}. Fix: {fix}",
         )
 
-    def stop(self, timeout: float = 2.0) -> None:
+    def stop(self, timeout: float = 0.5) -> None:
+        """Stop sending. A request in flight is not waited for beyond `timeout` (a hanging API must not
+        hold up the plugin's exit); the thread is a daemon, and the client is closed only once it is done
+        with it (else its finalizer does that at exit)."""
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout)
-        if self._client is not None:
+        if self._client is not None and not self._thread.is_alive():
             self._client.close()
 
     def _event(self, kind: str, reason: str, message: str) -> None:
