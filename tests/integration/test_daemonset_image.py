@@ -103,6 +103,12 @@ def copy_context(destination: Path) -> None:
     for directory, subdirs, files in os.walk(REPO):
         rel_dir = os.path.relpath(directory, REPO)
         subdirs[:] = [d for d in subdirs if not ignored(os.path.normpath(os.path.join(rel_dir, d)), patterns)]
+        for name in [d for d in subdirs if os.path.islink(os.path.join(directory, d))]:
+            # A link to a directory (templates -> gpunode/templates) is copied as the link, as COPY does.
+            subdirs.remove(name)
+            target = destination / rel_dir / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.symlink_to(os.readlink(os.path.join(directory, name)))
         for name in files:
             rel = os.path.normpath(os.path.join(rel_dir, name))
             if ignored(rel, patterns):
@@ -142,6 +148,9 @@ def image_root() -> Iterator[tuple[overlayroot.OverlayRoot, Containerfile]]:
                     source, destination = argument.split()
                     assert source == ".", f"COPY {argument}: only the build context is carried out"
                     copy_context(root.path(destination))
+                    context = root.path(destination)
+                    assert (context / "pyproject.toml").is_file() and (context / "templates").is_symlink()
+                    assert not (context / ".venv").exists() and not (context / ".git").exists()
                 elif instruction == "RUN":
                     result = root.run(["sh", "-c", argument], timeout=INSTALL_TIMEOUT)
                     assert result.returncode == 0, f"RUN {argument}:\n{result.stdout}\n{result.stderr}"
