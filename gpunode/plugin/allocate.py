@@ -27,6 +27,7 @@ CDI_ANNOTATION_PREFIX = "cdi.k8s.io/"
 CONTROL_DEVICES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset")
 IMEX_CHANNEL_DIR = "/dev/nvidia-caps-imex-channels"
 IMEX_CHANNELS = "NVIDIA_IMEX_CHANNELS"
+IMEX_CDI_KIND = "nvidia.com/imex-channel"  # NVIDIA's CDI class for the channels
 
 
 class Refused(Exception):
@@ -46,6 +47,7 @@ class DeviceNodes:
     control: tuple[str, ...] = ()  # container paths of the control nodes that exist
     mig_caps: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # MIG UUID -> cap device paths
     imex_channels: tuple[str, ...] = ()  # IDs of the configured IMEX channels whose device nodes exist
+    imex_cdi: tuple[str, ...] = ()  # their CDI names (nvidia.com/imex-channel=0) that a CDI spec defines
 
     def host_path(self, container_path: str) -> str:
         if self.driver_root == "/":
@@ -157,6 +159,7 @@ def _answer(devices: list[PluginDevice], settings: AllocateSettings) -> Containe
             mounts.extend((f"{VOLUME_MOUNT_DIR}/imex/{c}", "/dev/null", True) for c in channels)
         elif strategy == "cdi-cri":
             cdi.extend(f"{settings.cdi_kind}={v}" for v in visible)
+            cdi.extend(settings.nodes.imex_cdi)
         elif strategy == "cdi-annotations":
             for v in visible:
                 # The CDI rules' key (prefix, `/` replaced, at most 63 characters after the prefix): a key
@@ -165,6 +168,9 @@ def _answer(devices: list[PluginDevice], settings: AllocateSettings) -> Containe
                 # cdiAnnotationPrefix: NVIDIA's plugin swaps the prefix of the keys the CDI rules made.
                 key = settings.annotation_prefix + key.removeprefix(ANNOTATION_PREFIX)
                 annotations[key] = f"{settings.cdi_kind}={v}"
+            for name in settings.nodes.imex_cdi:
+                key = annotation_key("gpunode", name.rpartition("/")[2].replace("=", "-"))
+                annotations[settings.annotation_prefix + key.removeprefix(ANNOTATION_PREFIX)] = name
     specs: list[tuple[str, str, str]] = []
     if settings.pass_device_specs:
         nodes = settings.nodes

@@ -11,6 +11,7 @@ kubelet.sock has a new inode.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import logging
 import os
@@ -27,7 +28,7 @@ from gpunode.errors import ConfigError, ExitCode, GpunodeError, NvmlError
 from gpunode.host import Host
 from gpunode.nvml.model import Inventory
 from gpunode.paths import PLUGIN_SERVICE as PLUGIN_UNIT
-from gpunode.plugin.allocate import AllocateSettings, DeviceNodes, read_device_nodes
+from gpunode.plugin.allocate import IMEX_CDI_KIND, AllocateSettings, DeviceNodes, read_device_nodes
 from gpunode.plugin.api import deviceplugin_pb2 as pb
 from gpunode.plugin.api import deviceplugin_pb2_grpc
 from gpunode.plugin.config import PluginConfig
@@ -325,6 +326,23 @@ class Plugin:
         _warn_unused_sharing(config, resources)
         if not self.simulated:
             self._check_cdi_spec(resources, first=first)
+        # Device nodes are looked for, and handed to the runtime, under the device root (NVIDIA's
+        # nvidiaDevRoot), which is the driver root unless set. Read before anything is replaced: a
+        # required IMEX channel that is missing refuses the (re)load as a whole.
+        dev_root = config.dev_root or config.driver_root
+        nodes = (
+            DeviceNodes(driver_root=dev_root)
+            if self.simulated
+            else self._imex_cdi(
+                read_device_nodes(
+                    self.host,
+                    dev_root,
+                    resources,
+                    imex_channel_ids=config.imex_channel_ids,
+                    imex_required=config.imex_required,
+                )
+            )
+        )
         self._inventory = inventory
         if not any(r.devices for r in resources):
             log.warning("NVML reports no GPUs; waiting for some to appear")
@@ -336,20 +354,7 @@ class Plugin:
             if gpu.lost:
                 self.registry.mark(Unit(gpu.index), "lost from the bus (at start)")
         self._topology = Topology.from_inventory(inventory)
-        # Device nodes are looked for, and handed to the runtime, under the device root (NVIDIA's
-        # nvidiaDevRoot), which is the driver root unless set.
-        dev_root = config.dev_root or config.driver_root
-        self._nodes = (
-            DeviceNodes(driver_root=dev_root)
-            if self.simulated
-            else read_device_nodes(
-                self.host,
-                dev_root,
-                resources,
-                imex_channel_ids=config.imex_channel_ids,
-                imex_required=config.imex_required,
-            )
-        )
+        self._nodes = nodes
         for resource in resources:
             log.info(
                 "%s: %d device%s%s",
@@ -391,6 +396,26 @@ class Plugin:
         if first:
             raise ConfigError(message, fix)
         log.error("%s (fix: %s)", message, fix)
+
+    def _imex_cdi(self, nodes: DeviceNodes) -> DeviceNodes:
+        """With a cdi-* strategy NVIDIA's plugin answers each IMEX channel as the CDI device
+        nvidia.com/imex-channel=<id>; gpunode does so for the channels a CDI spec defines, and says which
+        it cannot (a name no spec holds would fail every pod given it)."""
+        if not nodes.imex_channels or not any(s.startswith("cdi-") for s in self.config.device_list_strategy):
+            return nodes
+        from gpunode.cdi.registry import unresolvable
+
+        missing = set(unresolvable(self.host, IMEX_CDI_KIND, list(nodes.imex_channels)))
+        for channel in sorted(missing):
+            log.warning(
+                "IMEX channel %s: no CDI spec defines %s=%s, so the cdi-* strategies do not pass it (the "
+                "envvar and volume-mounts strategies and pass-device-specs still do)",
+                channel,
+                IMEX_CDI_KIND,
+                channel,
+            )
+        names = tuple(f"{IMEX_CDI_KIND}={c}" for c in nodes.imex_channels if c not in missing)
+        return dataclasses.replace(nodes, imex_cdi=names)
 
     def _restart_health(self, inventory: Inventory) -> None:
         if self._health is not None:

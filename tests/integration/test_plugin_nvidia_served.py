@@ -141,3 +141,32 @@ def test_refused_configs_stop_the_plugin_with_the_reason(
         assert plugin.wait(60) == 4
         assert message in plugin.log()
     assert kubelet.registrations() == []
+
+
+@pytest.mark.parametrize("with_spec", [False, True])
+def test_imex_channel_as_a_cdi_device_when_a_spec_defines_it(
+    kubelet: FakeKubelet, socket_dir: Path, with_spec: bool
+) -> None:
+    from tests import cdinode
+    from tests.integration.test_cdi_plugin import uuids
+
+    dev_root = socket_dir.parent / "devroot"
+    channel = dev_root / "dev/nvidia-caps-imex-channels/channel0"
+    channel.parent.mkdir(parents=True)
+    os.mknod(channel, stat.S_IFCHR | 0o600, os.makedev(1, 3))
+    specs = socket_dir.parent / "cdi"
+    cdinode.write_spec(specs, uuids("pcie-4"))
+    if with_spec:
+        cdinode.write_spec(specs, ["0"], kind="nvidia.com/imex-channel")
+    args = [*config("extras.yaml"), "--dev-root", str(dev_root), "--device-list-strategy", "cdi-cri"]
+    with PluginProcess(
+        socket_dir, args, profile="pcie-4", env={"GPUNODE_CDI_SPEC_DIRS": str(specs)}
+    ) as plugin:
+        [device, *_] = kubelet.wait_for_devices(GPU, lambda d: len(d) == 4)
+        [container] = kubelet.allocate(GPU, [[device.id]]).container_responses
+        names = [c.name for c in container.cdi_devices]
+        if with_spec:
+            assert names == [f"nvidia.com/gpu={device.id}", "nvidia.com/imex-channel=0"]
+        else:  # a name no spec defines would fail the pod: the GPUs only, and the log says why
+            assert names == [f"nvidia.com/gpu={device.id}"]
+            assert "no CDI spec defines nvidia.com/imex-channel=0" in plugin.log()

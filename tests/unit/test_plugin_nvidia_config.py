@@ -400,3 +400,13 @@ def test_an_entry_for_a_resource_the_node_lacks_is_logged(
         "time-slicing.resources: nvidia.com/mig-1g.5gb",
         "time-slicing.resources: nvidia.com/mig-2g.10gb",
     ]
+
+
+def test_imex_cdi_names_with_the_cdi_strategies() -> None:
+    nodes = DeviceNodes(imex_channels=("0",), imex_cdi=("nvidia.com/imex-channel=0",))
+    resource = gpu_resource()
+    registry = DeviceRegistry([resource])
+    settings = AllocateSettings(device_list_strategy=("cdi-cri", "cdi-annotations"), nodes=nodes)
+    [container] = allocate(resource, [[resource.devices[0].id]], registry.health_of, settings)
+    assert container.cdi_devices[-1] == "nvidia.com/imex-channel=0"
+    assert container.annotations["cdi.k8s.io/gpunode_imex-channel-0"] == "nvidia.com/imex-channel=0"
