@@ -410,3 +410,14 @@ def test_imex_cdi_names_with_the_cdi_strategies() -> None:
     [container] = allocate(resource, [[resource.devices[0].id]], registry.health_of, settings)
     assert container.cdi_devices[-1] == "nvidia.com/imex-channel=0"
     assert container.annotations["cdi.k8s.io/gpunode_imex-channel-0"] == "nvidia.com/imex-channel=0"
+
+
+@pytest.mark.parametrize("name", LOADABLE)
+def test_show_config_of_an_nvidia_file_reads_back_the_same(tmp_path: Path, name: str) -> None:
+    from gpunode.plugin.config import to_toml
+
+    config = load(tmp_path, name)
+    text = to_toml(config)
+    assert f"# from: file /{name} (" in text  # each value names the NVIDIA key it came from
+    (tmp_path / "shown.toml").write_text(text)
+    assert load_config(Host(root=tmp_path, env={}), config_path="/shown.toml", env={}) == config
