@@ -44,6 +44,7 @@ ERROR_9 = {
 TOOLKIT_DIFF = (
     "--- /dev/null\n+++ b/etc/apt/sources.list.d/nvidia-container-toolkit.list\n@@ -0,0 +1 @@\n+deb x /\n"
 )
+PLUGIN_TOML = "[time-slicing]\nreplicas = 4\n"
 TOOLKIT_PACKAGES = ["nvidia-container-toolkit", "nvidia-container-toolkit-base"]
 
 
@@ -231,6 +232,9 @@ path = argv[argv.index("--kubeconfig") + 1] if "--kubeconfig" in argv else None
 if path and os.path.exists(path):
     record["kubeconfig"] = open(path).read()
     record["kubeconfig_mode"] = stat.S_IMODE(os.stat(path).st_mode)
+config = argv[argv.index("--config") + 1] if "--config" in argv else None
+if config and config.startswith("/tmp/"):
+    record["config"] = open(config).read()
 with open(os.environ["FAKE_GPUNODE_LOG"], "a") as log:
     log.write(json.dumps(record) + "\\n")
 name = os.environ["FAKE_GPUNODE_RESPONSE"]
@@ -254,6 +258,7 @@ TASKS: list[tuple[str, str, dict[str, Any], bool, str]] = [
         "plugin-plan",
     ),
     ("plugin_again", "gpunode_plugin", {}, False, "plugin-unchanged"),
+    ("plugin_content", "gpunode_plugin", {"config_content": PLUGIN_TOML}, True, "plugin-plan"),
     ("plugin_absent", "gpunode_plugin", {"state": "absent"}, False, "plugin-uninstall"),
     (
         "node_check",
@@ -391,11 +396,19 @@ def test_check_mode_runs_dry_run_and_reports_what_would_change(ran: dict[str, An
 
     plugin_check = results["plugin_check"]
     assert calls["plugin_check"]["argv"] == [
-        "plugin", "install", "--config", "/etc/gpunode/p.toml", "--no-start", "--json", "--dry-run",
+        "plugin", "install", "--no-start", "--config", "/etc/gpunode/p.toml", "--json", "--dry-run",
     ]  # fmt: skip
     assert plugin_check["changed"] is True
     (unit,) = plugin_check["diff"]
     assert unit["before"] == "" and unit["after"].startswith("[Service]\nExecStart=")
+
+    # A config's text reaches gpunode as a file it can plan with, in check mode too.
+    content_call = calls["plugin_content"]
+    assert content_call["argv"][:3] == ["plugin", "install", "--config"]
+    assert content_call["argv"][4:] == ["--json", "--dry-run"]
+    assert content_call["config"] == PLUGIN_TOML
+    assert not Path(content_call["argv"][3]).exists(), "the config's temp file outlived the run"
+    assert results["plugin_content"]["changed"] is True
 
     up_check = results["up_check"]
     assert calls["up_check"]["argv"] == [

@@ -56,18 +56,21 @@ def find_gpunode(module):
     return found
 
 
-class Kubeconfig:
-    """kubeconfig_content written to a private temp file for the length of one gpunode run."""
+class ContentFile:
+    """A parameter's text (kubeconfig_content, a plugin config_content) written to a private temp file on
+    the target for the length of one gpunode run, so gpunode gets a path, never the text as an argument."""
 
-    def __init__(self, module):
+    def __init__(self, module, param, prefix):
         self.module = module
+        self.param = param
+        self.prefix = prefix
         self.path = None
 
     def __enter__(self):
-        content = self.module.params.get("kubeconfig_content")
+        content = self.module.params.get(self.param)
         if content:
-            fd, self.path = tempfile.mkstemp(prefix="gpunode-kubeconfig-", suffix=".yaml")
-            # mkstemp makes it 0600: only root (the module's user) can read the credentials.
+            # mkstemp makes it 0600: only root (the module's user) can read it.
+            fd, self.path = tempfile.mkstemp(prefix=self.prefix)
             with os.fdopen(fd, "w") as handle:
                 handle.write(content)
         return self
@@ -76,6 +79,10 @@ class Kubeconfig:
         if self.path:
             os.unlink(self.path)
         return False
+
+
+def Kubeconfig(module):  # named like the class it returns: `with Kubeconfig(module) as kubeconfig`
+    return ContentFile(module, "kubeconfig_content", "gpunode-kubeconfig-")
 
 
 def kube_args(module, kubeconfig_file=None):

@@ -11,6 +11,7 @@ description:
 options:
   state: {description: present installs (and starts) the service, absent stops and removes it, type: str, default: present, choices: [present, absent]}
   config: {description: a plugin config on the target to install as /etc/gpunode/plugin.toml (gpunode's TOML or NVIDIA's device-plugin config), type: path}
+  config_content: {description: "the plugin config's text instead (e.g. from a template): given to gpunode as a temp file, so check mode plans with it", type: str}
   start: {description: start the service now (false installs and enables it only), type: bool, default: true}
   gpunode_path: {description: the gpunode command; default PATH, then /usr/local/bin and /opt/gpunode/bin, type: path}
   root: {description: gpunode's C(--root), type: path}
@@ -28,6 +29,7 @@ gpunode: {description: gpunode's document (gpunode.plugin-install/v1 or plugin-u
 
 from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.gpunode.gpunode.plugins.module_utils.gpunode import (
+    ContentFile,
     common_argument_spec,
     file_diffs,
     finish,
@@ -40,19 +42,24 @@ def main():
     spec.update(
         state={"type": "str", "default": "present", "choices": ["present", "absent"]},
         config={"type": "path"},
+        config_content={"type": "str"},
         start={"type": "bool", "default": True},
     )
-    module = AnsibleModule(argument_spec=spec, supports_check_mode=True)
+    module = AnsibleModule(
+        argument_spec=spec, supports_check_mode=True, mutually_exclusive=[("config", "config_content")]
+    )
     p = module.params
     if p["state"] == "absent":
         command = ["plugin", "uninstall"]
     else:
         command = ["plugin", "install"]
-        if p["config"]:
-            command += ["--config", p["config"]]
         if not p["start"]:
             command.append("--no-start")
-    argv, rc, doc, stderr = run_gpunode(module, command)
+    with ContentFile(module, "config_content", "gpunode-plugin-config-") as content:
+        config = content.path or p["config"]
+        if p["state"] == "present" and config:
+            command += ["--config", config]
+        argv, rc, doc, stderr = run_gpunode(module, command)
     verb = "would be" if doc.get("dry_run") else ("is now" if doc.get("changed") else "is already")
     msg = "the device plugin service {} {}".format(verb, "removed" if p["state"] == "absent" else "installed")
     finish(module, argv, rc, doc, stderr, msg=msg, diff=file_diffs(doc))
