@@ -509,3 +509,42 @@ def test_doctor_facts_and_fail_on_unhealthy(ran: dict[str, Any]) -> None:
     assert strict["msg"] == (
         "gpunode doctor: unhealthy; failed: nvml.init (nvml.init is fail) fix: install the NVIDIA driver"
     )
+
+
+MODULE_NAMES = ("doctor", "down", "node", "plugin", "runtime", "toolkit", "up")
+
+
+def test_every_module_is_documented_for_ansible_doc(tmp_path: Path) -> None:
+    """ansible-doc parses each module's DOCUMENTATION and RETURN (YAML in the module: a stray comma in a
+    flow mapping silently makes a key of its own, or breaks the whole page)."""
+    tool = BIN / "ansible-doc"
+    if not os.access(tool, os.X_OK):
+        why = f"{tool} is missing: ansible-core is in the [dev] extras (./install.sh --dev)"
+        if os.environ.get("CI"):
+            pytest.fail(why)
+        pytest.skip(why)
+    namespace = tmp_path / "collections" / "ansible_collections" / "gpunode"
+    namespace.mkdir(parents=True)
+    (namespace / "gpunode").symlink_to(REPO / "ansible")
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(tmp_path),
+        "ANSIBLE_HOME": str(tmp_path / "ansible-home"),
+        "ANSIBLE_COLLECTIONS_PATH": str(tmp_path / "collections"),
+    }
+    names = [f"gpunode.gpunode.gpunode_{m}" for m in MODULE_NAMES]
+    run = subprocess.run(
+        [str(tool), "--json", *names], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert run.returncode == 0, run.stderr
+    docs = json.loads(run.stdout)
+    assert sorted(docs) == names
+    for name, page in docs.items():
+        options = page["doc"]["options"]
+        assert {"gpunode_path", "root"} <= set(options), name
+        for option, spec in options.items():
+            assert set(spec) <= {"description", "type", "default", "choices"}, (name, option, spec)
+            assert isinstance(spec["description"], (str, list)) and spec["description"], (name, option)
+        assert all(set(r) == {"description", "returned", "type"} for r in page["return"].values()), name
+    for name in ("gpunode_node", "gpunode_up", "gpunode_down"):
+        assert "kubeconfig_content" in docs[f"gpunode.gpunode.{name}"]["doc"]["options"]

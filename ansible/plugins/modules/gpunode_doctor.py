@@ -10,9 +10,9 @@ description:
   - Runs C(gpunode doctor --json) (read-only, also in check mode) and sets the fact C(gpunode_doctor) with C(healthy), C(counts) and C(checks) (id, status, summary, detail, fix).
   - An unhealthy node is a finding, not a failure, unless I(fail_on_unhealthy) is set; then the task fails and names the failed checks and their fixes.
 options:
-  fail_on_unhealthy: {description: fail the task when a check failed, type: bool, default: false}
-  gpunode_path: {description: the gpunode command; default PATH, then /usr/local/bin and /opt/gpunode/bin, type: path}
-  root: {description: gpunode's C(--root), type: path}
+  fail_on_unhealthy: {description: "fail the task when a check failed", type: bool, default: false}
+  gpunode_path: {description: "the gpunode command; default PATH, then /usr/local/bin and /opt/gpunode/bin", type: path}
+  root: {description: "gpunode's C(--root)", type: path}
 author: gpunode developers
 """
 
@@ -23,9 +23,9 @@ EXAMPLES = r"""
 """
 
 RETURN = r"""
-ansible_facts: {description: C(gpunode_doctor) with healthy, counts and checks, returned: always, type: dict}
-failed_checks: {description: ids of the checks that failed, returned: always, type: list}
-rc: {description: gpunode's exit status (1 when unhealthy), returned: always, type: int}
+ansible_facts: {description: "C(gpunode_doctor) with healthy, counts and checks", returned: always, type: dict}
+failed_checks: {description: "ids of the checks that failed", returned: always, type: list}
+rc: {description: "gpunode's exit status (1 when unhealthy)", returned: always, type: int}
 """
 
 from ansible.module_utils.basic import AnsibleModule

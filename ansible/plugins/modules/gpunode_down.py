@@ -9,15 +9,15 @@ short_description: Undo gpunode up on the target with gpunode down
 description:
   - Runs C(gpunode down --json --yes) (plugin service, node capacity and labels, runtime configuration, and with I(toolkit) the toolkit); check mode adds C(--dry-run); diff mode shows each step that changes something.
 options:
-  toolkit: {description: also remove nvidia-container-toolkit and its repository files, type: bool, default: false}
-  node: {description: node name to withdraw from, type: str}
-  kubeconfig: {description: kubeconfig file on the target (default gpunode's search: $KUBECONFIG, ~/.kube/config, kubelet.conf, k3s/RKE2's, in-cluster), type: path}
+  toolkit: {description: "also remove nvidia-container-toolkit and its repository files", type: bool, default: false}
+  node: {description: "node name to withdraw from", type: str}
+  kubeconfig: {description: "kubeconfig file on the target (default gpunode's search: $KUBECONFIG, ~/.kube/config, kubelet.conf, k3s/RKE2's, in-cluster)", type: path}
   kubeconfig_content: {description: "the kubeconfig itself (a secret: never logged or returned); written to a private temp file for the run", type: str}
-  context: {description: kubeconfig context, type: str}
-  server: {description: API server URL overriding the kubeconfig's, type: str}
+  context: {description: "kubeconfig context", type: str}
+  server: {description: "API server URL overriding the kubeconfig's", type: str}
   request_timeout: {description: "per-request timeout, as kubectl: 30, 10s, 1m", type: str}
-  gpunode_path: {description: the gpunode command; default PATH, then /usr/local/bin and /opt/gpunode/bin, type: path}
-  root: {description: gpunode's C(--root), type: path}
+  gpunode_path: {description: "the gpunode command; default PATH, then /usr/local/bin and /opt/gpunode/bin", type: path}
+  root: {description: "gpunode's C(--root)", type: path}
 author: gpunode developers
 """
 
@@ -27,8 +27,8 @@ EXAMPLES = r"""
 """
 
 RETURN = r"""
-gpunode: {description: gpunode's document (gpunode.down/v1) with its steps, returned: always, type: dict}
-steps: {description: name and status of each step, returned: always, type: list}
+gpunode: {description: "gpunode's document (gpunode.down/v1) with its steps", returned: always, type: dict}
+steps: {description: "name and status of each step", returned: always, type: list}
 """
 
 from ansible.module_utils.basic import AnsibleModule

@@ -9,19 +9,19 @@ short_description: Advertise or withdraw this node's GPUs through the Kubernetes
 description:
   - Runs C(gpunode node advertise|withdraw --json); check mode adds C(--dry-run) (gpunode reads the Node and prints the patches); diff mode shows the capacity and labels before and after.
 options:
-  state: {description: advertised sets capacity and labels, withdrawn removes what gpunode advertised, type: str, default: advertised, choices: [advertised, withdrawn]}
-  node: {description: the Node's name (default gpunode's, the kubelet's or host name), type: str}
-  resource: {description: extended resource name, type: str}
-  count: {description: capacity to advertise (default the GPUs NVML reports), type: int}
-  labels: {description: set the GPU feature discovery labels, type: bool}
-  capacity: {description: patch the extended-resource capacity, type: bool}
-  kubeconfig: {description: kubeconfig file on the target (default gpunode's search: $KUBECONFIG, ~/.kube/config, kubelet.conf, k3s/RKE2's, in-cluster), type: path}
+  state: {description: "advertised sets capacity and labels, withdrawn removes what gpunode advertised", type: str, default: advertised, choices: [advertised, withdrawn]}
+  node: {description: "the Node's name (default gpunode's, the kubelet's or host name)", type: str}
+  resource: {description: "extended resource name", type: str}
+  count: {description: "capacity to advertise (default the GPUs NVML reports)", type: int}
+  labels: {description: "set the GPU feature discovery labels", type: bool}
+  capacity: {description: "patch the extended-resource capacity", type: bool}
+  kubeconfig: {description: "kubeconfig file on the target (default gpunode's search: $KUBECONFIG, ~/.kube/config, kubelet.conf, k3s/RKE2's, in-cluster)", type: path}
   kubeconfig_content: {description: "the kubeconfig itself (a secret: never logged or returned); written to a private temp file for the run", type: str}
-  context: {description: kubeconfig context, type: str}
-  server: {description: API server URL overriding the kubeconfig's, type: str}
+  context: {description: "kubeconfig context", type: str}
+  server: {description: "API server URL overriding the kubeconfig's", type: str}
   request_timeout: {description: "per-request timeout, as kubectl: 30, 10s, 1m", type: str}
-  gpunode_path: {description: the gpunode command; default PATH, then /usr/local/bin and /opt/gpunode/bin, type: path}
-  root: {description: gpunode's C(--root), type: path}
+  gpunode_path: {description: "the gpunode command; default PATH, then /usr/local/bin and /opt/gpunode/bin", type: path}
+  root: {description: "gpunode's C(--root)", type: path}
 author: gpunode developers
 """
 
@@ -31,7 +31,7 @@ EXAMPLES = r"""
 """
 
 RETURN = r"""
-gpunode: {description: gpunode's document (gpunode.node-advertise/v1 or node-withdraw/v1), returned: always, type: dict}
+gpunode: {description: "gpunode's document (gpunode.node-advertise/v1 or node-withdraw/v1)", returned: always, type: dict}
 """
 
 from ansible.module_utils.basic import AnsibleModule

@@ -9,12 +9,12 @@ short_description: Install or uninstall gpunode's device plugin service
 description:
   - Runs C(gpunode plugin install|uninstall --json); check mode adds C(--dry-run); diff mode shows the unit and config files written and the files removed.
 options:
-  state: {description: present installs (and starts) the service, absent stops and removes it, type: str, default: present, choices: [present, absent]}
-  config: {description: a plugin config on the target to install as /etc/gpunode/plugin.toml (gpunode's TOML or NVIDIA's device-plugin config), type: path}
+  state: {description: "present installs (and starts) the service, absent stops and removes it", type: str, default: present, choices: [present, absent]}
+  config: {description: "a plugin config on the target to install as /etc/gpunode/plugin.toml (gpunode's TOML or NVIDIA's device-plugin config)", type: path}
   config_content: {description: "the plugin config's text instead (e.g. from a template): given to gpunode as a temp file, so check mode plans with it", type: str}
-  start: {description: start the service now (false installs and enables it only), type: bool, default: true}
-  gpunode_path: {description: the gpunode command; default PATH, then /usr/local/bin and /opt/gpunode/bin, type: path}
-  root: {description: gpunode's C(--root), type: path}
+  start: {description: "start the service now (false installs and enables it only)", type: bool, default: true}
+  gpunode_path: {description: "the gpunode command; default PATH, then /usr/local/bin and /opt/gpunode/bin", type: path}
+  root: {description: "gpunode's C(--root)", type: path}
 author: gpunode developers
 """
 
@@ -24,7 +24,7 @@ EXAMPLES = r"""
 """
 
 RETURN = r"""
-gpunode: {description: gpunode's document (gpunode.plugin-install/v1 or plugin-uninstall/v1), returned: always, type: dict}
+gpunode: {description: "gpunode's document (gpunode.plugin-install/v1 or plugin-uninstall/v1)", returned: always, type: dict}
 """
 
 from ansible.module_utils.basic import AnsibleModule

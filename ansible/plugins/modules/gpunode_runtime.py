@@ -19,16 +19,16 @@ options:
     type: str
     default: present
     choices: [present, reverted, absent]
-  config: {description: the configuration file (C(--config)), type: path}
-  set_as_default: {description: make it the default runtime, type: bool, default: false}
-  cdi: {description: enable CDI where the runtime supports it, type: bool, default: false}
-  runtime_path: {description: the nvidia-container-runtime binary, type: path}
-  runtime_name: {description: the runtime's name (default nvidia), type: str}
-  drop_in: {description: containerd/CRI-O drop-in file to write, type: path}
-  in_place: {description: edit the main file itself, type: bool, default: false}
-  restart: {description: restart the runtime and check it came back; default gpunode's (on, unless config points elsewhere), type: bool}
-  gpunode_path: {description: the gpunode command; default PATH, then /usr/local/bin and /opt/gpunode/bin, type: path}
-  root: {description: gpunode's C(--root) (an image or chroot), type: path}
+  config: {description: "the configuration file (C(--config))", type: path}
+  set_as_default: {description: "make it the default runtime", type: bool, default: false}
+  cdi: {description: "enable CDI where the runtime supports it", type: bool, default: false}
+  runtime_path: {description: "the nvidia-container-runtime binary", type: path}
+  runtime_name: {description: "the runtime's name (default nvidia)", type: str}
+  drop_in: {description: "containerd/CRI-O drop-in file to write", type: path}
+  in_place: {description: "edit the main file itself", type: bool, default: false}
+  restart: {description: "restart the runtime and check it came back; default gpunode's (on, unless config points elsewhere)", type: bool}
+  gpunode_path: {description: "the gpunode command; default PATH, then /usr/local/bin and /opt/gpunode/bin", type: path}
+  root: {description: "gpunode's C(--root) (an image or chroot)", type: path}
 author: gpunode developers
 """
 
@@ -40,11 +40,11 @@ EXAMPLES = r"""
 """
 
 RETURN = r"""
-gpunode: {description: gpunode's JSON document (schema gpunode.configure-runtime/v1), returned: always, type: dict}
-rc: {description: gpunode's exit status, returned: always, type: int}
-cmd: {description: the argument list gpunode ran with, returned: always, type: list}
-fix: {description: gpunode's fix for the error, returned: failure, type: str}
-restart_pending: {description: the runtime still has to be restarted for the change to take effect, returned: always, type: bool}
+gpunode: {description: "gpunode's JSON document (schema gpunode.configure-runtime/v1)", returned: always, type: dict}
+rc: {description: "gpunode's exit status", returned: always, type: int}
+cmd: {description: "the argument list gpunode ran with", returned: always, type: list}
+fix: {description: "gpunode's fix for the error", returned: failure, type: str}
+restart_pending: {description: "the runtime still has to be restarted for the change to take effect", returned: always, type: bool}
 """
 
 from ansible.module_utils.basic import AnsibleModule

@@ -9,14 +9,14 @@ short_description: Install or remove nvidia-container-toolkit with gpunode toolk
 description:
   - Runs C(gpunode toolkit install|uninstall --json --yes); check mode adds C(--dry-run), diff mode shows the repository files' diffs.
 options:
-  state: {description: present installs, absent uninstalls, type: str, default: present, choices: [present, absent]}
-  version: {description: pin the four packages to this version (default the newest; an installed one is kept), type: str}
-  repo_url: {description: a mirror of NVIDIA's repositories, type: str}
-  key_file: {description: the signing key, from a file on the target, type: path}
-  key_fingerprint: {description: trust the key with this fingerprint instead of NVIDIA's, type: str}
-  experimental: {description: also enable the experimental repository, type: bool, default: false}
-  gpunode_path: {description: the gpunode command; default PATH, then /usr/local/bin and /opt/gpunode/bin, type: path}
-  root: {description: gpunode's C(--root), type: path}
+  state: {description: "present installs, absent uninstalls", type: str, default: present, choices: [present, absent]}
+  version: {description: "pin the four packages to this version (default the newest; an installed one is kept)", type: str}
+  repo_url: {description: "a mirror of NVIDIA's repositories", type: str}
+  key_file: {description: "the signing key, from a file on the target", type: path}
+  key_fingerprint: {description: "trust the key with this fingerprint instead of NVIDIA's", type: str}
+  experimental: {description: "also enable the experimental repository", type: bool, default: false}
+  gpunode_path: {description: "the gpunode command; default PATH, then /usr/local/bin and /opt/gpunode/bin", type: path}
+  root: {description: "gpunode's C(--root)", type: path}
 author: gpunode developers
 """
 
@@ -26,8 +26,8 @@ EXAMPLES = r"""
 """
 
 RETURN = r"""
-gpunode: {description: gpunode's document (gpunode.toolkit-install/v1 or toolkit-uninstall/v1), returned: always, type: dict}
-version: {description: the installed version after the run, returned: always, type: str}
+gpunode: {description: "gpunode's document (gpunode.toolkit-install/v1 or toolkit-uninstall/v1)", returned: always, type: dict}
+version: {description: "the installed version after the run", returned: always, type: str}
 """
 
 from ansible.module_utils.basic import AnsibleModule

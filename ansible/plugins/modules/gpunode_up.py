@@ -9,22 +9,22 @@ short_description: Make the target a working GPU node with gpunode up
 description:
   - Runs C(gpunode up --json --yes) (preflight, toolkit, container runtime, device plugin, labels); check mode adds C(--dry-run) and returns the plan; diff mode shows each step that changes something with its files, diffs and commands.
 options:
-  toolkit_version: {description: pin nvidia-container-toolkit, type: str}
-  repo_url: {description: mirror of NVIDIA's repositories, type: str}
-  key_file: {description: the repositories' signing key, from a file on the target, type: path}
-  key_fingerprint: {description: trust this key instead of NVIDIA's, type: str}
-  runtime: {description: container runtime to configure, type: str, choices: [docker, containerd, crio]}
-  plugin_config: {description: device plugin config on the target to install, type: path}
-  labels: {description: set the GPU labels (needs API credentials), type: bool}
-  node: {description: node name for the labels, type: str}
-  cdi: {description: also turn CDI on and keep gpunode's CDI spec current, type: bool, default: false}
-  kubeconfig: {description: kubeconfig file on the target (default gpunode's search: $KUBECONFIG, ~/.kube/config, kubelet.conf, k3s/RKE2's, in-cluster), type: path}
+  toolkit_version: {description: "pin nvidia-container-toolkit", type: str}
+  repo_url: {description: "mirror of NVIDIA's repositories", type: str}
+  key_file: {description: "the repositories' signing key, from a file on the target", type: path}
+  key_fingerprint: {description: "trust this key instead of NVIDIA's", type: str}
+  runtime: {description: "container runtime to configure", type: str, choices: [docker, containerd, crio]}
+  plugin_config: {description: "device plugin config on the target to install", type: path}
+  labels: {description: "set the GPU labels (needs API credentials)", type: bool}
+  node: {description: "node name for the labels", type: str}
+  cdi: {description: "also turn CDI on and keep gpunode's CDI spec current", type: bool, default: false}
+  kubeconfig: {description: "kubeconfig file on the target (default gpunode's search: $KUBECONFIG, ~/.kube/config, kubelet.conf, k3s/RKE2's, in-cluster)", type: path}
   kubeconfig_content: {description: "the kubeconfig itself (a secret: never logged or returned); written to a private temp file for the run", type: str}
-  context: {description: kubeconfig context, type: str}
-  server: {description: API server URL overriding the kubeconfig's, type: str}
+  context: {description: "kubeconfig context", type: str}
+  server: {description: "API server URL overriding the kubeconfig's", type: str}
   request_timeout: {description: "per-request timeout, as kubectl: 30, 10s, 1m", type: str}
-  gpunode_path: {description: the gpunode command; default PATH, then /usr/local/bin and /opt/gpunode/bin, type: path}
-  root: {description: gpunode's C(--root), type: path}
+  gpunode_path: {description: "the gpunode command; default PATH, then /usr/local/bin and /opt/gpunode/bin", type: path}
+  root: {description: "gpunode's C(--root)", type: path}
 author: gpunode developers
 """
 
@@ -35,8 +35,8 @@ EXAMPLES = r"""
 """
 
 RETURN = r"""
-gpunode: {description: gpunode's document (gpunode.up/v1) with its steps, returned: always, type: dict}
-steps: {description: name and status of each step, returned: always, type: list}
+gpunode: {description: "gpunode's document (gpunode.up/v1) with its steps", returned: always, type: dict}
+steps: {description: "name and status of each step", returned: always, type: list}
 """
 
 from ansible.module_utils.basic import AnsibleModule
