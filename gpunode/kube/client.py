@@ -60,6 +60,8 @@ MAX_ANSWER_BYTES = 16 * 2**20
 # RFC 1123 subdomain, the rule for node names: also keeps "..", "/" and "?" out of the URL path.
 _NODE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _FORBIDDEN = re.compile(r'User "(?P<user>[^"]*)" cannot (?P<verb>\S+) resource "(?P<resource>[^"]*)"')
+# NodeRestriction's refusal (an admission plugin, not RBAC): a kubelet writing another node.
+_NODE_RESTRICTED = re.compile(r'node "(?P<own>[^"]*)" is not allowed to modify node "(?P<other>[^"]*)"')
 
 JsonPatch = list[dict[str, Any]]
 
@@ -649,6 +651,15 @@ class KubeClient:
         return ApiError(f"the Kubernetes API at {url} answered {code} {response.reason}{said}")
 
     def _forbidden(self, op: _Op, message: str) -> ApiError:
+        restricted = _NODE_RESTRICTED.search(message)
+        if restricted is not None:
+            own, other = restricted["own"], restricted["other"]
+            return ApiError(
+                f'the Kubernetes API refused: node "{own}"\'s kubelet credentials (from '
+                f'{self.credentials.source}) may not modify node "{other}" (NodeRestriction)',
+                f"a kubelet's credentials may change only their own node (\"{own}\"): give the node's name "
+                f'as "{own}" (--node, node-name), run gpunode on node "{other}", or use an admin kubeconfig',
+            )
         found = _FORBIDDEN.search(message)
         if found is None:
             return ApiError(

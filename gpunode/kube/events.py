@@ -284,7 +284,8 @@ class NodeReporter(HealthReporter):
             self.failed += 1
             if err.message != self._last_error:  # the same failure every few seconds is logged once
                 self._last_error = err.message
-                log.warning("cannot %s on node %s: %s (fix: %s)", what, self.node, err.message, err.fix)
+                fix = err.fix or f"check that the credentials may write node {self.node}'s status and events"
+                log.warning("cannot %s on node %s: %s (fix: %s)", what, self.node, err.message, fix)
             return False
         except Exception:  # this thread must survive anything a request raises
             self.failed += 1

@@ -5,6 +5,8 @@ new options' checks."""
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import cast
 
@@ -15,12 +17,17 @@ from gpunode.errors import ApiError, ConfigError
 from gpunode.host import Host
 from gpunode.kube.client import KubeClient
 from gpunode.kube.condition import condition_ops
+from gpunode.kube.credentials import Credentials, Pem
 from gpunode.kube.events import NodeReporter
 from gpunode.nvml.model import Gpu, Inventory
 from gpunode.plugin.config import load_config
 from gpunode.plugin.devices import DeviceRegistry, Sharing, Unit, build_resources
 from gpunode.plugin.metrics import PluginMetrics
 from gpunode.plugin.observe import HealthTracker
+from tests.kubeapi.apiserver import ApiServer
+from tests.kubeapi.pki import Pki
+
+GPU = "nvidia.com/gpu"
 
 
 def registry(gpus: int = 2, replicas: int = 1) -> DeviceRegistry:
@@ -206,3 +213,61 @@ def test_a_busy_metrics_port_is_a_clear_error() -> None:
         assert err.value.fix and "metrics.address" in err.value.fix
     finally:
         first.stop()
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    return Pki.create(tmp_path_factory.mktemp("pki"))
+
+
+def node_client(api: ApiServer, pki: Pki, node: str) -> KubeClient:
+    """A client with kubelet's identity for `node`: a certificate for system:node:NODE, group system:nodes."""
+    pair = pki.client(f"system:node:{node}", ["system:nodes"])
+    ca = Pem(origin="test CA", path=pki.ca.cert)
+    cert = (Pem(origin="node cert", path=pair.cert), Pem(origin="node key", path=pair.key))
+    return KubeClient(Credentials(server=api.url, source="test kubelet.conf", verify=ca, cert=cert))
+
+
+def wait_for(check: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + 60  # generous: a shared machine
+    while not check():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+def test_registration_failures_are_one_event_per_streak(pki: Pki) -> None:
+    with ApiServer(pki) as api:
+        api.add_node("node-1")
+        api.node_identity("node-1")
+        reporter = NodeReporter("node-1", lambda: node_client(api, pki, "node-1"))
+        try:
+            for _ in range(5):  # a retry every few seconds: one Event for the streak
+                reporter.register_failed(GPU, "UNAVAILABLE: connect failed", refused=False)
+            reporter.registered(GPU)
+            reporter.registered(GPU)  # registered again, no failure in between: nothing to say
+            wait_for(lambda: len(api.events) == 2)
+        finally:
+            reporter.stop(timeout=30)
+        failed, back = api.events
+        assert failed["reason"] == "DevicePluginRegistrationFailed" and failed["type"] == "Warning"
+        assert "UNAVAILABLE" in failed["message"] and "systemctl status kubelet" in failed["message"]
+        assert back["reason"] == "DevicePluginRegistered" and back["type"] == "Normal"
+        assert reporter.sent == 2 and reporter.failed == 0
+
+
+def test_another_nodes_identity_is_refused_and_counted(pki: Pki, caplog: pytest.LogCaptureFixture) -> None:
+    """NodeRestriction: kubelet credentials of node-2 may not patch node-1's status. The reporter logs
+    the refusal once, with the fix, and counts it; nothing is written."""
+    with ApiServer(pki) as api:
+        api.add_node("node-1")
+        api.node_identity("node-2")
+        reporter = NodeReporter("node-1", lambda: node_client(api, pki, "node-2"))
+        try:
+            reporter.condition([], served=True)
+            wait_for(lambda: reporter.failed >= 1)
+        finally:
+            reporter.stop(timeout=30)
+        assert all(c["type"] != "GPUHealthy" for c in api.node("node-1")["status"]["conditions"])
+        assert [r.status for r in api.requests if r.method == "PATCH"] == [403]
+        assert 'may not modify node "node-1" (NodeRestriction)' in caplog.text
+        assert 'may change only their own node ("node-2")' in caplog.text
