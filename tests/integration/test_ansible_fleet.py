@@ -13,9 +13,9 @@ On each machine, as on a real node: gpunode where install.sh puts it (/opt/gpuno
 this checkout's venv, which the machine sees at the same path), containerd.service running the test bed's
 containerd 1.6 with the stock config (tests/integration/test_restart_systemd.py), and no GPU. The role
 (ansible/roles/gpu_node) configures the NVIDIA runtime with the default restart and verifies with doctor;
-the toolkit (needs NVIDIA's repositories), the plugin service (needs kubelet) and advertise (needs an API
-server) are off here, and those modules are tested against gpunode's recorded JSON in
-tests/unit/test_ansible_modules.py.
+the plugin service is installed and enabled but not started (it needs kubelet), the toolkit (needs NVIDIA's
+repositories) and advertise (needs an API server) are off here, and those modules are tested against
+gpunode's recorded JSON in tests/unit/test_ansible_modules.py.
 
 The collection is built with `ansible-galaxy collection build` and installed from its tarball, and the
 playbooks are ansible/examples/, the ones docs/fleets.md shows. Needs root, systemd-nspawn, nsenter, the
@@ -62,6 +62,8 @@ RECAP = re.compile(
     r"^(?P<host>\S+)\s+:\s+ok=(?P<ok>\d+)\s+changed=(?P<changed>\d+)\s+unreachable=(?P<unreachable>\d+)"
     r"\s+failed=(?P<failed>\d+)\s+skipped=(?P<skipped>\d+)"
 )
+PLUGIN_SERVICE = "gpunode-device-plugin.service"
+PLUGIN_UNIT = f"/etc/systemd/system/{PLUGIN_SERVICE}"
 MODULES = ("doctor", "down", "node", "plugin", "runtime", "toolkit", "up")
 # docs/fleets.md shows these exactly (test_docs_show_what_is_tested).
 BUILD = (
@@ -79,14 +81,15 @@ connection_plugins = tests/integration/ansible_connection
 pipelining = true
 """
 # What the docs and the test use: the inventory's group variables for this fleet of machines without GPUs,
-# kubelet or NVIDIA's repositories.
+# kubelet or NVIDIA's repositories: no toolkit, the plugin service installed and enabled but not started
+# (it would wait for kubelet's socket), doctor's facts without its verdict.
 GROUP_VARS = """\
 ansible_connection=gpunode_nsenter
 ansible_python_interpreter=/usr/bin/python3
 gpunode_runtime=containerd
 gpunode_runtime_set_as_default=true
 gpunode_toolkit_install=false
-gpunode_plugin_install=false
+gpunode_plugin_start=false
 gpunode_require_healthy=false
 """
 
@@ -224,7 +227,8 @@ def test_check_mode_then_apply_then_nothing_to_do(fleet: Fleet) -> None:
     planned = fleet.playbook(PLAN)
     assert planned.result.returncode == 0, planned
     for host, counts in planned.recap.items():
-        assert counts["failed"] == 0 and counts["changed"] == 1, f"{host}: {counts}\n{planned}"
+        # Two tasks would change something: the runtime and the plugin service.
+        assert counts["failed"] == 0 and counts["changed"] == 2, f"{host}: {counts}\n{planned}"
     # gpunode's own diff of the file, per host, and nothing written anywhere.
     assert (
         planned.result.stdout.count(
@@ -235,17 +239,23 @@ def test_check_mode_then_apply_then_nothing_to_do(fleet: Fleet) -> None:
     for host, box in fleet.machines.items():
         assert box.path(CONFIG).read_bytes() == before[host], f"check mode changed {host}"
         assert not box.path("/var/lib/gpunode/backups").exists(), f"check mode left a backup on {host}"
+        assert not box.path(PLUGIN_UNIT).exists(), f"check mode installed the plugin unit on {host}"
+    # The unit's content, as the diff of a new file.
+    assert planned.result.stdout.count(f"+++ after: {PLUGIN_UNIT}") == 3, planned
 
     applied = fleet.playbook(APPLY)
     assert applied.result.returncode == 0, applied
     for host, counts in applied.recap.items():
-        assert counts["failed"] == 0 and counts["changed"] == 1, f"{host}: {counts}\n{applied}"
+        assert counts["failed"] == 0 and counts["changed"] == 2, f"{host}: {counts}\n{applied}"
     for host, box in fleet.machines.items():
         runtime = nvidia_runtime(box)
         assert runtime is not None, f"{host}: no nvidia runtime in {CONFIG}"
         assert runtime["options"]["BinaryName"] == "/usr/bin/nvidia-container-runtime"  # type: ignore[index]
         # The default restart happened and containerd came back with the new config.
         assert cri_state(box) == "ok", box.journal(UNIT)
+        # The plugin's unit is installed and enabled in the machine's systemd; not started (no kubelet).
+        assert box.systemctl("is-enabled", PLUGIN_SERVICE).stdout.strip() == "enabled"
+        assert box.systemctl("is-active", PLUGIN_SERVICE).stdout.strip() == "inactive"
 
     verified = fleet.playbook(VERIFY)
     assert verified.result.returncode == 0, verified
@@ -268,7 +278,7 @@ def test_a_broken_config_fails_its_machine_alone(fleet: Fleet) -> None:
     recap = run.recap
     assert recap["node2"]["failed"] == 1, run
     for host in ("node1", "node3"):
-        assert recap[host]["failed"] == 0 and recap[host]["changed"] == 1, f"{host}: {recap[host]}\n{run}"
+        assert recap[host]["failed"] == 0 and recap[host]["changed"] == 2, f"{host}: {recap[host]}\n{run}"
         assert nvidia_runtime(fleet.machines[host]) is not None
     # gpunode's own error, as gpunode itself states it on that machine (a dry run reads the same file).
     direct = broken.run([str(GPUNODE), "configure-runtime", "containerd", "--dry-run", "--json"])
