@@ -271,3 +271,25 @@ def test_another_nodes_identity_is_refused_and_counted(pki: Pki, caplog: pytest.
         assert [r.status for r in api.requests if r.method == "PATCH"] == [403]
         assert 'may not modify node "node-1" (NodeRestriction)' in caplog.text
         assert 'may change only their own node ("node-2")' in caplog.text
+
+
+def test_prometheus_client_is_imported_by_the_metrics_module_only() -> None:
+    """The library is the plugin's, and only when metrics.address is set: doctor, the CLI and a plugin
+    without metrics never load it."""
+    import re
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    importers = sorted(
+        str(p.relative_to(repo))
+        for p in (repo / "gpunode").rglob("*.py")
+        if re.search(r"^\s*(import|from) prometheus_client\b", p.read_text(), re.MULTILINE)
+    )
+    assert importers == ["gpunode/plugin/metrics.py"]
+    code = (
+        "import sys, gpunode.plugin.lifecycle, gpunode.plugin.observe, gpunode.kube.events, "
+        "gpunode.doctor.prometheus, gpunode.cli.main; print('prometheus_client' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=repo)
+    assert out.stdout.strip() == "False"
