@@ -93,6 +93,7 @@ class NodeReporter(HealthReporter):
         self._queue: queue.Queue[dict[str, Any]] = queue.Queue(maxsize=queue_size)
         self._wanted: dict[str, Any] | None = None  # the newest condition not yet sent
         self._have_wanted = False
+        self._handed_over: dict[str, Any] | None = None  # the last condition given to the thread
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -174,10 +175,12 @@ class NodeReporter(HealthReporter):
                 "reason": "GPUsHealthy" if served else "NoGPUsServed",
                 "message": "every device gpunode serves is healthy" if served else "gpunode serves no GPUs",
             }
+        if wanted == self._handed_over:
+            return  # nothing new for the API
+        self._handed_over = wanted
         with self._lock:
-            self._wanted = wanted
+            self._wanted = wanted  # the thread sends the newest; one not yet sent is replaced
             self._have_wanted = True
-        self.condition_sent = True  # handed over: the thread sends the newest
         self._wake.set()
 
     def registered(self, resource: str) -> None:

@@ -183,8 +183,9 @@ class HealthObserver(PluginObserver):
         if self.reporter is not None:
             for t in transitions:
                 self.reporter.device_changed(t)
-            if transitions or not self.reporter.condition_sent:
-                self.reporter.condition(self.tracker.unhealthy(), served=bool(self.tracker.records()))
+            # Every update: the reporter sends only when the condition it would write changes (the first
+            # update comes before the devices are loaded, so "no GPUs served" must be replaced then).
+            self.reporter.condition(self.tracker.unhealthy(), served=bool(self.tracker.records()))
 
     def registered(self, resource: str, kubelet: tuple[int, int]) -> None:
         restart = self._kubelet is not None and self._kubelet != kubelet
@@ -244,7 +245,6 @@ class MetricsSink:
 class HealthReporter:
     """What HealthObserver asks of gpunode.kube.events.NodeReporter."""
 
-    condition_sent = False
     sent = 0  # requests the API accepted
     failed = 0  # requests that failed (API down, refused)
     dropped = 0  # reports dropped: the queue was full, or the rate limit held them back

@@ -159,7 +159,8 @@ def test_xid_changes_metrics_event_and_condition(
         assert value(samples, "gpunode_device_last_critical_xid", **labels) == 0
         assert value(samples, "gpunode_device_state_info", **labels, state="healthy", reason="healthy") == 1
         # The condition, written with the node's own certificate as a JSON patch of nodes/status.
-        wait_until(lambda: (c := condition(api)) and c["status"] == "True", "no GPUHealthy=True", plugin)
+        good = wait_until(lambda: (c := condition(api)) and c["status"] == "True" and c, "no True", plugin)
+        assert good["reason"] == "GPUsHealthy"
 
         # Calls are counted and timed; a refusal is counted by reason.
         kubelet.allocate(GPU, [[devices[0].id]])
@@ -211,7 +212,8 @@ def test_xid_changes_metrics_event_and_condition(
         wait_until(
             lambda: [e for e in api.events if e["reason"] == "GPURecovered"], "no GPURecovered", plugin
         )
-        wait_until(lambda: (c := condition(api)) and c["status"] == "True", "not True again", plugin)
+        back = wait_until(lambda: (c := condition(api)) and c["status"] == "True" and c, "not True", plugin)
+        assert back["reason"] == "GPUsHealthy"
         assert value(samples, "gpunode_kube_reports_dropped_total") == 0
 
     # Every request was the node's own, of the kinds the real API takes, and none was refused.
