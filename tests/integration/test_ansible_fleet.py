@@ -12,7 +12,8 @@ neither the machine's mounts nor its systemd. The modules do not care how Ansibl
 On each machine, as on a real node: gpunode where install.sh puts it (/opt/gpunode/bin/gpunode, a link to
 this checkout's venv, which the machine sees at the same path), containerd.service running the test bed's
 containerd 1.6 with the stock config (tests/integration/test_restart_systemd.py), and no GPU. The role
-(ansible/roles/gpu_node) configures the NVIDIA runtime with the default restart and verifies with doctor;
+(ansible/roles/gpu_node) configures the NVIDIA runtime with the default restart and verifies with doctor,
+and down.yml (gpunode_down) undoes it all;
 the plugin service is installed and enabled but not started (it needs kubelet), the toolkit (needs NVIDIA's
 repositories) and advertise (needs an API server) are off here, and those modules are tested against
 gpunode's recorded JSON in tests/unit/test_ansible_modules.py.
@@ -73,6 +74,9 @@ BUILD = (
 PLAN = "ansible-playbook -i inventory.ini site.yml --check --diff"
 APPLY = "ansible-playbook -i inventory.ini site.yml --diff"
 VERIFY = "ansible-playbook -i inventory.ini verify.yml"
+DOWN_PLAN = "ansible-playbook -i inventory.ini down.yml --check --diff"
+DOWN = "ansible-playbook -i inventory.ini down.yml --diff"
+PLAYBOOKS = ("site.yml", "verify.yml", "down.yml")
 ANSIBLE_CFG = """\
 [defaults]
 collections_path = collections
@@ -176,7 +180,7 @@ def fleet(tmp_path: Path) -> Iterator[Fleet]:
         # The docs' commands run as written, from a directory where ansible/ and tests/ are the checkout's.
         (workdir / "ansible").symlink_to(REPO / "ansible")
         (workdir / "tests").symlink_to(REPO / "tests")
-        for playbook in ("site.yml", "verify.yml"):
+        for playbook in PLAYBOOKS:
             shutil.copy(EXAMPLES / playbook, workdir / playbook)
         (workdir / "ansible.cfg").write_text(ANSIBLE_CFG)
         # The machines' PATH: gpunode finds containerd and ctr there, as where they are installed.
@@ -221,7 +225,7 @@ def nvidia_runtime(box: nspawn.Container) -> dict[str, object] | None:
     return cri.get("nvidia")  # type: ignore[no-any-return]
 
 
-def test_check_mode_then_apply_then_nothing_to_do(fleet: Fleet) -> None:
+def test_check_mode_then_apply_then_nothing_to_do_then_down(fleet: Fleet) -> None:
     before = {host: box.path(CONFIG).read_bytes() for host, box in fleet.machines.items()}
 
     planned = fleet.playbook(PLAN)
@@ -266,6 +270,26 @@ def test_check_mode_then_apply_then_nothing_to_do(fleet: Fleet) -> None:
     for host, counts in again.recap.items():
         assert counts["changed"] == 0 and counts["failed"] == 0, f"{host}: {counts}\n{again}"
 
+    # gpunode down through gpunode_down: planned, then done, then nothing left to do.
+    down_planned = fleet.playbook(DOWN_PLAN)
+    assert down_planned.result.returncode == 0, down_planned
+    for host, counts in down_planned.recap.items():
+        assert counts["changed"] == 1 and counts["failed"] == 0, f"{host}: {counts}\n{down_planned}"
+    for host, box in fleet.machines.items():
+        assert nvidia_runtime(box) is not None and box.path(PLUGIN_UNIT).exists(), f"check mode undid {host}"
+    down = fleet.playbook(DOWN)
+    assert down.result.returncode == 0, down
+    for host, counts in down.recap.items():
+        assert counts["changed"] == 1 and counts["failed"] == 0, f"{host}: {counts}\n{down}"
+    for host, box in fleet.machines.items():
+        assert box.path(CONFIG).read_bytes() == before[host], f"{host}: {CONFIG} not as it was"
+        assert not box.path(PLUGIN_UNIT).exists(), f"{host}: the plugin unit is still there"
+        assert cri_state(box) == "ok", box.journal(UNIT)
+    down_again = fleet.playbook(DOWN)
+    assert down_again.result.returncode == 0, down_again
+    for host, counts in down_again.recap.items():
+        assert counts["changed"] == 0 and counts["failed"] == 0, f"{host}: {counts}\n{down_again}"
+
 
 def test_a_broken_config_fails_its_machine_alone(fleet: Fleet) -> None:
     broken = fleet.machines["node2"]
@@ -297,11 +321,11 @@ def test_docs_show_what_is_tested() -> None:
     """docs/fleets.md's Ansible section: the commands, config, variables and playbooks of this test."""
     docs = (REPO / "docs" / "fleets.md").read_text()
     section = docs[docs.index("## Ansible\n") : docs.index("## DaemonSet\n")]
-    for command in (*BUILD, PLAN, APPLY, VERIFY):
+    for command in (*BUILD, PLAN, APPLY, VERIFY, DOWN_PLAN, DOWN):
         assert f"   {command}" in section, command
     assert _indented(ANSIBLE_CFG) in section
     assert _indented(GROUP_VARS) in section
-    for playbook in ("site.yml", "verify.yml"):
+    for playbook in PLAYBOOKS:
         # The files less their leading comment and document start, indented as in the list item.
         body = "".join(
             line
