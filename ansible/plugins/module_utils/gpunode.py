@@ -102,8 +102,8 @@ def kube_args(module, kubeconfig_file=None):
     return args
 
 
-def run_gpunode(module, command, *, dry_run_option=True, changes=True):
-    """Run `gpunode [--root R] COMMAND... --json [--dry-run]` and return (rc, document, stderr).
+def run_gpunode(module, command, *, changes=True):
+    """Run `gpunode [--root R] COMMAND... --json [--dry-run]`; return (argv, rc, document, stderr).
 
     `command` is an argument list: no shell, so a value can never become a second command. In check mode
     a command that changes something gets --dry-run (gpunode's plan: changed is false, nothing touched);
@@ -113,9 +113,10 @@ def run_gpunode(module, command, *, dry_run_option=True, changes=True):
     if module.params.get("root"):
         argv += ["--root", module.params["root"]]
     argv += [*list(command), "--json"]
-    if changes and module.check_mode and dry_run_option:
+    if changes and module.check_mode:
         argv.append("--dry-run")
-    # LANG=C: messages are matched by people and tests, not translated. NO_COLOR: no escapes in messages.
+    # NO_COLOR: no terminal escapes in the messages a result carries. A UTF-8 locale: paths and messages
+    # that are not ASCII survive the way through run_command.
     rc, stdout, stderr = module.run_command(
         argv, check_rc=False, environ_update={"NO_COLOR": "1", "LANG": "C.UTF-8"}
     )
