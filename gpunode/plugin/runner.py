@@ -109,8 +109,8 @@ class LogWriter:
     their time stamps (taken at the call).
 
     The thread waits BATCH_DELAY after a record arrives before it formats and writes what has come, with
-    one write(): records that come meanwhile wake nobody, and the thread that logged gets on without this
-    one taking the GIL from it at once. (Allocate logs its line once the answer has gone, server.py.)
+    one write(): records that come meanwhile wake nobody, and the thread that logged (an Allocate logs just
+    before it answers) gets on without this one taking the GIL from it at once.
     """
 
     BATCH_DELAY = 0.002  # seconds
