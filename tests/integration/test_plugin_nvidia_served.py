@@ -121,7 +121,7 @@ def test_a_missing_imex_channel_is_skipped_unless_required(kubelet: FakeKubelet,
         [device, *_] = kubelet.wait_for_devices(GPU, lambda d: len(d) == 4)
         [container] = kubelet.allocate(GPU, [[device.id]]).container_responses
         assert "NVIDIA_IMEX_CHANNELS" not in container.envs
-        assert "channel0 does not exist" in plugin.log()
+        plugin.wait_for_log("channel0 does not exist")  # the log is written by a thread of its own
     with PluginProcess(socket_dir, [*config("extras.yaml"), "--imex-required"], profile="pcie-4") as plugin:
         assert plugin.wait(60) == 4
         assert "imex.required is set" in plugin.log()
@@ -169,4 +169,4 @@ def test_imex_channel_as_a_cdi_device_when_a_spec_defines_it(
             assert names == [f"nvidia.com/gpu={device.id}", "nvidia.com/imex-channel=0"]
         else:  # a name no spec defines would fail the pod: the GPUs only, and the log says why
             assert names == [f"nvidia.com/gpu={device.id}"]
-            assert "no CDI spec defines nvidia.com/imex-channel=0" in plugin.log()
+            plugin.wait_for_log("no CDI spec defines nvidia.com/imex-channel=0")
