@@ -49,6 +49,7 @@ log = logging.getLogger("gpunode.plugin")
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)
 # kubelet.sock appearing → registered: sub-second when the plugin runs, up to minutes after a plugin start.
 DELAY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0, 3600.0)
+# device: the ID kubelet sees, less a time-slicing replica's "::N" (the GPU's or MIG device's visible ID).
 DEVICE_LABELS = ("resource", "device", "uuid", "index")
 
 # Why a call was refused, by the gRPC status the servicer answered: the reasons server.py and allocate.py
@@ -290,11 +291,17 @@ class _StateCollector(Collector):
         )
         advertised: Tally[str] = Tally()
         healthy_count: Tally[str] = Tally()
+        seen: set[tuple[str, str]] = set()
         for record in tracker.records():
             device = record.device
-            labels = [record.resource, device.id, device.uuid, _index(device)]
             advertised[record.resource] += 1
             healthy_count[record.resource] += int(record.healthy)
+            # One set of series per GPU or MIG device: its time-slicing replicas share its health, and a
+            # series per replica would multiply the answer (and the scrape's cost) by the replica count.
+            if (record.resource, device.uuid) in seen:
+                continue
+            seen.add((record.resource, device.uuid))
+            labels = [record.resource, device.visible_id, device.uuid, _index(device)]
             healthy.add_metric(labels, 1.0 if record.healthy else 0.0)
             monitored.add_metric(labels, 1.0 if record.monitored else 0.0)
             state.add_metric([*labels, "healthy" if record.healthy else "unhealthy", record.reason], 1.0)

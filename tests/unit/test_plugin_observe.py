@@ -96,6 +96,20 @@ def test_metrics_exposition_names_and_values() -> None:
     assert samples[("gpunode_registrations_total", (("resource", "nvidia.com/gpu"),))] == 2
     assert samples[("gpunode_kubelet_restarts_total", ())] == 1
     assert samples[("gpunode_registration_delay_seconds_count", (("resource", "nvidia.com/gpu"),))] == 2
+    # Time-sliced: the resource counts every replica, the device series are one set per GPU.
+    shared = registry(gpus=2, replicas=4)
+    shared.mark(Unit(1), "Xid 79 (GPU has fallen off the bus)")
+    tracker = HealthTracker()
+    tracker.update(shared)
+    families = {
+        f.name: f for f in text_string_to_metric_families(PluginMetrics(tracker).exposition().decode())
+    }
+    assert [s.value for s in families["gpunode_resource_devices_advertised"].samples] == [8]
+    assert [s.value for s in families["gpunode_resource_devices_healthy"].samples] == [4]
+    assert sorted((s.labels["device"], s.value) for s in families["gpunode_device_healthy"].samples) == [
+        ("GPU-0000", 1.0),
+        ("GPU-0001", 0.0),
+    ]
     # Prometheus conventions: the prefix (or the library's process_/python_), counters end in _total.
     for name, _ in samples:
         assert name.startswith(("gpunode_", "process_", "python_")), name
