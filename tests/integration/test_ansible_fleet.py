@@ -317,6 +317,32 @@ def test_a_broken_config_fails_its_machine_alone(fleet: Fleet) -> None:
     assert broken.path(CONFIG).read_bytes() == before
 
 
+def test_up_without_a_gpu_fails_with_gpunodes_preflight(fleet: Fleet) -> None:
+    """gpunode_up against the real gpunode: without a driver its plan is blocked at preflight, and every
+    machine's task fails with gpunode's own message and fix, in check mode as in a real run, changing
+    nothing. (The steps of a real `up` are tested with recorded documents: tests/unit.)"""
+    before = {host: box.path(CONFIG).read_bytes() for host, box in fleet.machines.items()}
+    for check in (["--check"], []):
+        result = subprocess.run(
+            [str(ansible_tool("ansible")), "gpu_nodes", "-i", "inventory.ini", "-m",
+             "gpunode.gpunode.gpunode_up", "-a", "runtime=containerd", "--one-line", *check],
+            cwd=fleet.workdir, env=fleet.env, capture_output=True, text=True, timeout=PLAYBOOK_TIMEOUT,
+            check=False,
+        )  # fmt: skip
+        assert result.returncode == 2, result.stdout + result.stderr  # ansible: a host failed
+        lines = [line for line in result.stdout.splitlines() if " | FAILED! => " in line]
+        assert sorted(line.split(" ", 1)[0] for line in lines) == sorted(HOSTS), result.stdout
+        for line in lines:
+            failure = json.loads(line.split(" | FAILED! => ", 1)[1])
+            message = failure["msg"]
+            assert message.startswith("step preflight: the nvidia kernel module is not loaded"), failure
+            assert message.endswith("gpunode up changed nothing"), failure
+            assert "install the NVIDIA driver" in failure["fix"] and failure["exit_code"] == 1, failure
+            assert failure["changed"] is False and failure["gpunode"]["dry_run"] is bool(check), failure
+    for host, box in fleet.machines.items():
+        assert box.path(CONFIG).read_bytes() == before[host], host
+
+
 def test_docs_show_what_is_tested() -> None:
     """docs/fleets.md's Ansible section: the commands, config, variables and playbooks of this test."""
     docs = (REPO / "docs" / "fleets.md").read_text()
