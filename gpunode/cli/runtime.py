@@ -63,8 +63,8 @@ if TYPE_CHECKING:
 @click.option(
     "--effective",
     is_flag=True,
-    help="Ask the runtime for its effective configuration (CRI-O: `crio config`) to decide what to "
-    "change and to check the result before writing.",
+    help="Decide from the runtime's own view of its configuration (containerd: `config dump`; CRI-O: "
+    "`crio config`) instead of gpunode's merge of the files, and check the result before writing.",
 )
 @click.option("--dry-run", is_flag=True, help="Print the diff of every file; change nothing.")
 @click.option(

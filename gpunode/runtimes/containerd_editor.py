@@ -82,6 +82,8 @@ def plan_containerd(host: Host, opts: ConfigureOptions) -> RuntimePlan:
         if base_text is not None and base_text.strip():
             messages.append(f"{path} holds only comments; gpunode writes a version {version} configuration")
     merged = _merged(host, path, current, installed)
+    if opts.effective:
+        merged = _effective(host, path, merged, version, messages)
 
     changes: list[FileChange] = []
     if opts.drop_in is None:
@@ -162,6 +164,29 @@ def _check_version(path: str, version: int, installed: tuple[int, int] | None) -
             "installed: 1.6 ignores such a file without a word and 1.7 refuses to start",
             f"write {path} as version 2 (`containerd config default` prints one)",
         )
+
+
+def _effective(
+    host: Host, path: str, merged: dict[str, Any], version: int, messages: list[str]
+) -> dict[str, Any]:
+    """With --effective, containerd's own `config dump` decides what the runtimes and the default are today
+    (imports, defaults and what it ignores included), in place of gpunode's merge of the files."""
+    dump = ctd.effective_config(host, path)
+    if dump is None:
+        raise NotFound(
+            "--effective asks containerd for its configuration (`containerd config dump`), which needs the "
+            "containerd program on this machine's own root",
+            "leave out --effective: gpunode then merges the files as containerd does",
+        )
+    if dump.version != version:
+        # containerd 2.x dumps a version 2 file as version 3: the tables have other names than the file's.
+        messages.append(
+            f"containerd reads {path} (version {version}) as a version {dump.version} configuration: its "
+            "dump is shown by doctor, and gpunode decides from the files"
+        )
+        return merged
+    messages.append("decided from containerd's own view (`containerd config dump`)")
+    return dump.doc
 
 
 def _merged(

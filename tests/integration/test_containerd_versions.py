@@ -258,13 +258,14 @@ os.environ["PATH"] = "/var/lib/fakebin:" + os.environ["PATH"]
 
 from gpunode.cli.main import main
 
-code = main(["configure-runtime", "containerd", "--set-as-default", "--no-restart"])
+extra = ["--effective"] if scenario == "effective" else []
+code = main(["configure-runtime", "containerd", "--set-as-default", "--no-restart", *extra])
 config = open("/etc/containerd/config.toml").read()
 print("RESULT " + json.dumps({"code": code, "config": config, "original": original}))
 """
 
 
-@pytest.mark.parametrize("scenario", ["real", "ignoring"])
+@pytest.mark.parametrize("scenario", ["real", "ignoring", "effective"])
 def test_configure_asks_containerd_itself_before_it_reports_success(scenario: str) -> None:
     """On the real root (a private mount namespace: tmpfs over /etc/containerd and /var/lib),
     configure-runtime asks `containerd config dump` whether containerd reads what was written. The real
@@ -292,7 +293,11 @@ def test_configure_asks_containerd_itself_before_it_reports_success(scenario: st
     result = json.loads(
         next(x for x in done.stdout.splitlines() if x.startswith("RESULT ")).removeprefix("RESULT ")
     )
-    if scenario == "real":
+    if scenario == "effective":  # --effective: containerd's own dump decides what the runtimes are today
+        assert result["code"] == ExitCode.OK, done.stderr
+        assert "decided from containerd's own view (`containerd config dump`)" in done.stdout
+        assert 'default_runtime_name = "nvidia"' in result["config"]
+    elif scenario == "real":
         assert result["code"] == ExitCode.OK, done.stderr
         assert "verified: containerd's own dump shows the 'nvidia' runtime as the default" in done.stdout
         assert 'default_runtime_name = "nvidia"' in result["config"]
@@ -300,3 +305,12 @@ def test_configure_asks_containerd_itself_before_it_reports_success(scenario: st
         assert result["code"] == ExitCode.COMMAND_FAILED, done.stdout
         assert "does not read the 'nvidia' runtime" in done.stderr
         assert result["config"] == result["original"]
+
+
+def test_effective_needs_containerd_on_the_real_root(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    daemon = _containerd("1.6")
+    assert configure(tmp_path, daemon, SYSTEMD_ONLY_V2, "--effective") == ExitCode.NOT_FOUND
+    err = capsys.readouterr().err
+    assert "--effective asks containerd for its configuration" in err and "leave out --effective" in err
