@@ -323,3 +323,11 @@ def test_plugin_commands_have_json() -> None:
     for name in ("install", "uninstall", "status", "run"):
         command = app.get_command(click.Context(app), name)
         assert command is not None and any("--json" in p.opts for p in command.params), name
+
+
+def test_plugin_run_json_without_show_config_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, doc = run_json("plugin-run", ["plugin", "run", "--json"], Host(root=tmp_path, env={}), capsys)
+    assert code == ExitCode.USAGE and not doc["changed"]
+    assert doc["error"]["fix"] == "add --show-config" and "settings" not in doc
