@@ -94,6 +94,9 @@ class NodeReporter(HealthReporter):
         self._wanted: dict[str, Any] | None = None  # the newest condition not yet sent
         self._have_wanted = False
         self._handed_over: dict[str, Any] | None = None  # the last condition given to the thread
+        self.sent = 0  # requests the API accepted
+        self.failed = 0  # requests that failed (API down, refused)
+        self.dropped = 0  # Events dropped: the queue was full, or the rate limit held them back
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -145,6 +148,9 @@ class NodeReporter(HealthReporter):
         return cls(node, connect)
 
     # -- called from the event loop: never blocks -------------------------------------------------
+
+    def counts(self) -> tuple[int, int, int]:
+        return self.sent, self.failed, self.dropped
 
     def device_changed(self, transition: Transition) -> None:
         what = describe(transition)

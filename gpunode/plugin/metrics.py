@@ -329,15 +329,16 @@ class _StateCollector(Collector):
                 "Requests to the Kubernetes API for Events and the GPUHealthy condition, by outcome.",
                 labels=["outcome"],
             )
-            requests.add_metric(["sent"], float(reporter.sent))
-            requests.add_metric(["failed"], float(reporter.failed))
+            sent, failed, dropped_count = reporter.counts()
+            requests.add_metric(["sent"], float(sent))
+            requests.add_metric(["failed"], float(failed))
             yield requests
             dropped = CounterMetricFamily(
                 "gpunode_kube_reports_dropped",
                 "Events or condition updates dropped (queue full or rate limit) so the plugin never waits on "
                 "the API.",
             )
-            dropped.add_metric([], float(reporter.dropped))
+            dropped.add_metric([], float(dropped_count))
             yield dropped
 
 

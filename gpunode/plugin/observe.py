@@ -12,6 +12,7 @@ read by the scrape's own thread and the API is written by the reporter's.
 
 from __future__ import annotations
 
+import collections
 import logging
 import re
 import threading
@@ -245,9 +246,10 @@ class MetricsSink:
 class HealthReporter:
     """What HealthObserver asks of gpunode.kube.events.NodeReporter."""
 
-    sent = 0  # requests the API accepted
-    failed = 0  # requests that failed (API down, refused)
-    dropped = 0  # reports dropped: the queue was full, or the rate limit held them back
+    def counts(self) -> tuple[int, int, int]:
+        """(sent, failed, dropped): requests the API accepted, requests that failed (API down, refused),
+        reports dropped (a full queue, the rate limit)."""
+        raise NotImplementedError
 
     def device_changed(self, transition: Transition) -> None:
         raise NotImplementedError
@@ -265,6 +267,97 @@ class HealthReporter:
         raise NotImplementedError
 
 
+class DeferredReporter(HealthReporter):
+    """Stands in for the NodeReporter until the plugin has registered with kubelet (or tried to), or
+    `delay` seconds have passed: the Kubernetes client it needs (requests, urllib3, PyYAML: ~60 ms of
+    imports and ~9 MB) is loaded then, on a thread of its own, off the path from start to registered.
+    Reports made meanwhile are kept (Events up to PENDING, the newest condition) and handed over."""
+
+    PENDING = 64
+
+    def __init__(self, make: Callable[[], HealthReporter | None], delay: float = 30.0) -> None:
+        self._make = make
+        self._lock = threading.Lock()
+        self._real: HealthReporter | None = None
+        self._started = False
+        self._stopped = False
+        self._pending: collections.deque[Callable[[HealthReporter], None]] = collections.deque()
+        self._condition: Callable[[HealthReporter], None] | None = None
+        self._dropped = 0
+        self._timer = threading.Timer(delay, self.start)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def start(self) -> None:
+        with self._lock:
+            if self._started or self._stopped:
+                return
+            self._started = True
+        threading.Thread(target=self._build, name="gpunode-events-start", daemon=True).start()
+
+    def _build(self) -> None:
+        try:
+            real = self._make()
+        except Exception:  # the plugin serves on without Events: nothing here may stop it
+            log.exception("cannot start reporting GPU health to Kubernetes")
+            real = None
+        with self._lock:
+            if self._stopped:
+                if real is not None:
+                    real.stop()
+                return
+            pending, self._pending = list(self._pending), collections.deque()
+            condition, self._condition = self._condition, None
+            self._real = real
+        if real is not None:
+            for call in pending:
+                call(real)
+            if condition is not None:
+                condition(real)
+
+    def _call(self, call: Callable[[HealthReporter], None], *, condition: bool = False) -> None:
+        with self._lock:
+            if self._stopped:
+                return
+            real = self._real
+            if real is None:
+                if condition:
+                    self._condition = call  # only the newest matters
+                elif len(self._pending) < self.PENDING:
+                    self._pending.append(call)
+                else:
+                    self._dropped += 1
+                return
+        call(real)
+
+    def counts(self) -> tuple[int, int, int]:
+        real = self._real
+        sent, failed, dropped = real.counts() if real is not None else (0, 0, 0)
+        return sent, failed, dropped + self._dropped
+
+    def device_changed(self, transition: Transition) -> None:
+        self._call(lambda r: r.device_changed(transition))
+
+    def condition(self, unhealthy: list[DeviceRecord], *, served: bool) -> None:
+        self._call(lambda r: r.condition(unhealthy, served=served), condition=True)
+
+    def registered(self, resource: str) -> None:
+        self._call(lambda r: r.registered(resource))
+        self.start()
+
+    def register_failed(self, resource: str, why: str, *, refused: bool) -> None:
+        self._call(lambda r: r.register_failed(resource, why, refused=refused))
+        self.start()
+
+    def stop(self) -> None:
+        self._timer.cancel()
+        with self._lock:
+            self._stopped = True
+            real = self._real
+        if real is not None:
+            real.stop()
+
+
 def start_observer(host: Host, config: PluginConfig, *, simulated: bool) -> PluginObserver:
     """The observer for this configuration. Neither part may stop the plugin: a metrics address that
     cannot be bound, or API credentials that do not load, are logged and that part is left off."""
@@ -279,11 +372,31 @@ def start_observer(host: Host, config: PluginConfig, *, simulated: bool) -> Plug
         except GpunodeError as err:
             log.error("%s (fix: %s); serving the devices without metrics", err.message, err.fix)
     if config.events_enabled and not simulated:
-        from gpunode.kube.events import NodeReporter
+        from gpunode.kube.credentials import KUBELET_KUBECONFIG
 
-        reporter = NodeReporter.from_node_credentials(host, config)
-        if reporter is not None and metrics is not None:
-            metrics.watch_reporter(reporter)
+        path = config.events_kubeconfig or KUBELET_KUBECONFIG
+        if host.is_file(path):
+
+            def make() -> HealthReporter | None:
+                from gpunode.kube.events import NodeReporter
+
+                return NodeReporter.from_node_credentials(host, config)
+
+            reporter = DeferredReporter(make)
+            if metrics is not None:
+                metrics.watch_reporter(reporter)
+        elif config.events_kubeconfig:
+            log.error(
+                "events.kubeconfig %s does not exist; no Events and no GPUHealthy condition (fix: point it "
+                "at the node's kubeconfig, or set events.enabled = false)",
+                path,
+            )
+        else:
+            log.info(
+                "no kubelet kubeconfig at %s: health is not reported as Events or the GPUHealthy condition "
+                "(set events.kubeconfig to the node's kubeconfig to turn it on)",
+                path,
+            )
     if metrics is None and reporter is None:
         return PluginObserver()
     return HealthObserver(tracker, metrics, reporter)

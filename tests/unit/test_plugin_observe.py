@@ -23,7 +23,7 @@ from gpunode.nvml.model import Gpu, Inventory
 from gpunode.plugin.config import load_config
 from gpunode.plugin.devices import DeviceRegistry, Sharing, Unit, build_resources
 from gpunode.plugin.metrics import PluginMetrics
-from gpunode.plugin.observe import HealthTracker
+from gpunode.plugin.observe import DeferredReporter, DeviceRecord, HealthReporter, HealthTracker, Transition
 from tests.kubeapi.apiserver import ApiServer
 from tests.kubeapi.pki import Pki
 
@@ -287,7 +287,7 @@ def test_another_nodes_identity_is_refused_and_counted(pki: Pki, caplog: pytest.
         assert 'may change only their own node ("node-2")' in caplog.text
 
 
-def test_prometheus_client_is_imported_by_the_metrics_module_only() -> None:
+def test_prometheus_client_is_imported_by_the_metrics_module_only(tmp_path: Path) -> None:
     """The library is the plugin's, and only when metrics.address is set: doctor, the CLI and a plugin
     without metrics never load it."""
     import re
@@ -307,3 +307,76 @@ def test_prometheus_client_is_imported_by_the_metrics_module_only() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=repo)
     assert out.stdout.strip() == "False"
+    # A plugin with events on (the default) on a node without kubelet's kubeconfig, metrics off: neither
+    # the library nor the Kubernetes client (requests, PyYAML) is loaded.
+    code = (
+        "import sys; from gpunode.host import Host; from gpunode.plugin.config import PluginConfig; "
+        "from gpunode.plugin.observe import start_observer; "
+        "start_observer(Host(root=sys.argv[1], env={}), PluginConfig(), simulated=False); "
+        "loaded = ('prometheus_client', 'requests', 'yaml', 'gpunode.kube.client'); "
+        "print(sorted(m for m in loaded if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=repo,
+    )
+    assert out.stdout.strip() == "[]"
+
+
+class Recorder(HealthReporter):
+    """A reporter that records what it is told."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.done = threading.Event()
+
+    def counts(self) -> tuple[int, int, int]:
+        return len(self.calls), 0, 0
+
+    def device_changed(self, transition: Transition) -> None:
+        self.calls.append(f"device {transition.device.uuid} {transition.healthy}")
+
+    def condition(self, unhealthy: list[DeviceRecord], *, served: bool) -> None:
+        self.calls.append(f"condition {len(unhealthy)} {served}")
+        self.done.set()
+
+    def registered(self, resource: str) -> None:
+        self.calls.append(f"registered {resource}")
+
+    def register_failed(self, resource: str, why: str, *, refused: bool) -> None:
+        self.calls.append(f"failed {resource}")
+
+    def stop(self) -> None:
+        self.calls.append("stop")
+
+
+def test_the_kubernetes_client_waits_for_the_first_registration() -> None:
+    """Until the plugin has registered (or tried to), no reporter is built (the Kubernetes client is not
+    imported); what was reported meanwhile is handed over in order, the condition only as the newest."""
+    real = Recorder()
+    built = threading.Event()
+
+    def make() -> HealthReporter:
+        built.set()
+        return real
+
+    deferred = DeferredReporter(make, delay=3600)
+    reg = registry(gpus=1)
+    reg.mark(Unit(0), "Xid 79")
+    tracker = HealthTracker()
+    (transition,) = tracker.update(reg)
+    deferred.condition([], served=False)
+    deferred.device_changed(transition)
+    deferred.condition(tracker.unhealthy(), served=True)
+    assert not built.is_set() and real.calls == []
+    deferred.registered(GPU)  # the first registration starts it
+    assert real.done.wait(60)
+    assert real.calls == ["device GPU-0000 False", f"registered {GPU}", "condition 1 True"]
+    deferred.condition([], served=True)  # from now on straight through
+    assert real.calls[-1] == "condition 0 True"
+    assert deferred.counts() == (4, 0, 0)
+    deferred.stop()
+    assert real.calls[-1] == "stop"
