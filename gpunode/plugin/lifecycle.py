@@ -15,6 +15,7 @@ import dataclasses
 import fcntl
 import logging
 import os
+import posixpath
 import queue
 import threading
 import time
@@ -325,6 +326,7 @@ class Plugin:
         check_message_sizes(resources)
         _warn_unused_sharing(config, resources)
         if not self.simulated:
+            self._refresh_cdi_spec(inventory)
             self._check_cdi_spec(resources, first=first)
         # Device nodes are looked for, and handed to the runtime, under the device root (NVIDIA's
         # nvidiaDevRoot), which is the driver root unless set. Read before anything is replaced: a
@@ -364,6 +366,34 @@ class Plugin:
                 f" ({resource.replicas} replicas per GPU)" if resource.replicas > 1 else "",
             )
         self._restart_health(inventory)
+
+    def _refresh_cdi_spec(self, inventory: Inventory) -> None:
+        """Keep gpunode's own CDI spec true to what NVML reports now: at start, and on every re-discovery
+        (SIGHUP after a MIG repartitioning, GPUs that appear). Only a spec gpunode wrote (`gpunode cdi
+        generate` / `cdi install`, at its default path) is regenerated, and only rewritten when it changed;
+        a node whose operator never asked for one gets none. A failure is logged: the check that follows
+        says what is missing."""
+        config = self.config
+        if not any(s.startswith("cdi-") for s in config.device_list_strategy):
+            return
+        from gpunode.cdi.generate import GenerateOptions, default_output, generate, write_spec
+        from gpunode.cdi.registry import spec_dirs
+
+        # gpunode's spec by its name, in the dynamic (last, winning) directory the runtimes read.
+        path = posixpath.join(spec_dirs(self.host)[-1], posixpath.basename(default_output(config.cdi_kind)))
+        options = GenerateOptions(
+            kind=config.cdi_kind,
+            driver_root=config.driver_root,
+            dev_root=config.dev_root or None,
+            output=path,
+        )
+        if not self.host.is_file(path):
+            return
+        try:
+            if write_spec(self.host, generate(self.host, inventory, options)):
+                log.info("CDI spec %s regenerated: the GPUs or MIG devices changed", options.path)
+        except GpunodeError as exc:
+            log.error("could not regenerate the CDI spec %s: %s", options.path, exc.message)
 
     def _check_cdi_spec(self, resources: tuple[Resource, ...], *, first: bool) -> None:
         """With a cdi-* strategy every device answered must be in a CDI spec the runtime reads: a name it

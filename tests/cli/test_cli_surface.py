@@ -239,7 +239,7 @@ def test_help_off_a_terminal_is_not_wrapped(capsys: pytest.CaptureFixture[str]) 
     code, out, _ = run_main(capsys, "configure-runtime", "--help")
     assert code == 0
     line = next(line for line in out.splitlines() if "--effective" in line)
-    assert line.rstrip().endswith("to check the result before writing.")  # the whole help on one line
+    assert line.rstrip().endswith("and check the result before writing.")  # the whole help on one line
     assert all(line == line.rstrip() for line in out.splitlines())
 
 

@@ -83,3 +83,58 @@ def test_the_plugin_answers_with_names_of_gpunodes_generated_spec(base: Path) ->
         [container] = kubelet.allocate(GPU, [["2"]]).container_responses
         assert [c.name for c in container.cdi_devices] == [f"{GPU}=2"]
         assert dict(container.annotations) == {"cdi.k8s.io/gpunode_2": f"{GPU}=2"}
+
+
+def test_the_plugin_regenerates_gpunodes_spec_at_start_and_on_sighup(base: Path) -> None:
+    """gpunode's own spec (its default name in the dynamic directory) is kept true by the plugin: a stale one
+    (written for GPU 0 only, as after a repartitioning) is regenerated at start from what NVML reports, so the
+    plugin starts; made stale again, it is regenerated on SIGHUP (what an operator sends after a MIG change)
+    and left untouched when nothing changed. A spec by another name is never written."""
+    import shutil
+    import signal
+    import time
+
+    import yaml
+
+    from gpunode.cdi.generate import default_output
+
+    dev = base / "drv"
+    cdinode.make_driver(dev, "550.54.15", gpus=range(4))
+    # The plugin loads NVML from its driver root: there, the driver's NVML is the fake library.
+    library = fakenvml.build() / fakenvml.LIBNAME
+    shutil.copyfile(library, dev / cdinode.LIB_DIR.lstrip("/") / "libnvidia-ml.so.550.54.15")
+    specs = base / "cdi"
+    specs.mkdir()
+    ours = specs / Path(default_output(GPU)).name  # gpunode-nvidia.com-gpu.yaml (JSON is YAML too)
+    cdinode.write_spec(specs, uuids("pcie-4")[:1]).rename(ours)
+    env = {"GPUNODE_CDI_SPEC_DIRS": str(specs)}
+    args = ["--device-list-strategy", "cdi-cri", "--driver-root", str(dev)]
+    with (
+        FakeKubelet(base / "device-plugins") as kubelet,
+        PluginProcess(base / "device-plugins", args, env=env) as plugin,
+    ):
+        kubelet.wait_registered(GPU)
+        spec = yaml.safe_load(ours.read_text())
+        names = {d["name"] for d in spec["devices"]}
+        assert set(uuids("pcie-4")) <= names and {"0", "1", "2", "3", "all"} <= names
+        assert "regenerated" in plugin.log()
+
+        def reload_and_wait() -> None:
+            # After a SIGHUP the plugin re-reads the GPUs (and its spec), then registers again: the new
+            # registration at kubelet is the sign the reload, spec included, is done.
+            before = len(kubelet.registrations(GPU))
+            plugin.signal(signal.SIGHUP)
+            deadline = time.monotonic() + 60
+            while len(kubelet.registrations(GPU)) <= before:
+                assert time.monotonic() < deadline, f"no registration after SIGHUP:\n{plugin.log()}"
+                time.sleep(0.05)
+
+        mtime = ours.stat().st_mtime_ns
+        reload_and_wait()
+        assert ours.stat().st_mtime_ns == mtime  # nothing changed: not rewritten
+
+        cdinode.write_spec(specs, uuids("pcie-4")[:1]).rename(ours)  # stale again
+        reload_and_wait()
+        names = {d["name"] for d in yaml.safe_load(ours.read_text())["devices"]}
+        assert set(uuids("pcie-4")) <= names, plugin.log()
+    assert not (specs / "gpunode.yaml").exists()
