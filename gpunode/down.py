@@ -2,8 +2,9 @@
 
 The steps, in order: the device plugin service (stopped, disabled and its files removed, so that it stops
 advertising GPUs), the node (the capacity and labels gpunode advertised withdrawn, when the node has API
-credentials), the container runtime (every file gpunode changed for it put back, then restarted), and —
-only when asked, since other software may use it — the toolkit (packages and repository files removed).
+credentials), the CDI spec and its units (`gpunode cdi uninstall`), the container runtime (every file
+gpunode changed for it put back, then restarted), and — only when asked, since other software may use it —
+the toolkit (packages and repository files removed).
 
 Each step undoes only what gpunode recorded doing, so running `down` on a node `up` never touched, or twice,
 changes nothing. The steps and their rendering are shared with `up` (gpunode.up.Step).
@@ -36,6 +37,7 @@ def plan_down(host: Host, opts: DownOptions) -> list[Step]:
 
     steps = [planned("plugin", lambda: _plugin(host))]
     steps.append(planned("node", lambda: _node(host, opts)))
+    steps.append(planned("cdi", lambda: _cdi(host)))
     steps.extend(_runtimes(host))
     steps.append(planned("toolkit", lambda: _toolkit(host, opts)))
     return steps
@@ -110,6 +112,33 @@ def _node(host: Host, opts: DownOptions) -> Step:
         needed=True,
         details=details,
         apply=apply,
+    )
+
+
+def _cdi(host: Host) -> Step:
+    """`gpunode cdi uninstall`: the units that keep the spec true, gpunode's spec, and the toolkit's
+    NVIDIA_VISIBLE_DEVICES setting (what `up --cdi` / `cdi install` did)."""
+    from gpunode.cdi.generate import GenerateOptions
+    from gpunode.cdi.install import apply_uninstall, plan_uninstall
+
+    plan = plan_uninstall(host, GenerateOptions())
+    if plan.changes_nothing:
+        return Step("cdi", "gpunode has set up no CDI spec here", needed=False, skipped=True)
+    details = [f"run: {' '.join(c)}" for c in plan.commands] + [f"remove {p}" for p in plan.remove]
+    details += [f"put back {p}" for p, _ in plan.restore] + [f"note: {n}" for n in plan.notes]
+
+    def apply() -> str:
+        fresh = plan_uninstall(host, GenerateOptions())
+        apply_uninstall(host, fresh)
+        return f"removed {len(fresh.remove)} file(s), put back {len(fresh.restore)}"
+
+    return Step(
+        "cdi",
+        "remove gpunode's CDI spec and the units that keep it current",
+        needed=True,
+        details=details,
+        apply=apply,
+        warnings=["pods created from now on get no GPU through CDI names"],
     )
 
 

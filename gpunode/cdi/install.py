@@ -184,3 +184,76 @@ def apply_install(host: Host, plan: InstallPlan) -> None:
         )
     for argv in plan.commands:
         host.run(argv, timeout=SYSTEMCTL_TIMEOUT).check()
+
+
+# -- the way back -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class UninstallPlan:
+    remove: tuple[str, ...]  # gpunode's units and its own spec
+    restore: tuple[tuple[str, str], ...]  # (file, the original to put back): the toolkit's config
+    commands: tuple[tuple[str, ...], ...]
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def changes_nothing(self) -> bool:
+        return not self.remove and not self.restore
+
+
+def plan_uninstall(host: Host, options: GenerateOptions) -> UninstallPlan:
+    """Undo `cdi install` and `cdi generate`: only files gpunode wrote (its units name `gpunode cdi
+    generate`, its spec carries gpunode's header), and the toolkit's setting only while it is still as
+    gpunode set it."""
+    remove: list[str] = []
+    notes: list[str] = []
+    units = [f"{UNIT_DIR}/{SERVICE}", f"{UNIT_DIR}/{PATH_UNIT}"]
+    for unit in units:
+        text = _read(host, unit)
+        if text is None:
+            continue
+        if "gpunode" in text:
+            remove.append(unit)
+        else:
+            notes.append(f"{unit} was not written by gpunode: left in place")
+    spec = options.path
+    spec_text = _read(host, spec)
+    if spec_text is not None:
+        if "Written by gpunode" in spec_text:
+            remove.append(spec)
+        else:
+            notes.append(f"{spec} was not written by gpunode: left in place")
+    restore: list[tuple[str, str]] = []
+    backup = f"{BACKUP_DIR}{TOOLKIT_CONFIG}"
+    original = _read(host, backup)
+    current = _read(host, TOOLKIT_CONFIG)
+    if original is not None and current is not None:
+        if current == _with_envvar_off(original):
+            restore.append((TOOLKIT_CONFIG, original))
+        else:
+            notes.append(
+                f"{TOOLKIT_CONFIG} was changed after gpunode set {ENVVAR_KEY} = false: left as it is "
+                f"(the original is in {backup})"
+            )
+    commands: list[tuple[str, ...]] = []
+    if any(u in remove for u in units):
+        if host.is_dir("/run/systemd/system"):
+            commands = [("systemctl", "disable", "--now", PATH_UNIT, SERVICE), ("systemctl", "daemon-reload")]
+        else:
+            commands = [("systemctl", f"--root={host.root}", "disable", PATH_UNIT, SERVICE)]
+    return UninstallPlan(tuple(remove), tuple(restore), tuple(commands), tuple(notes))
+
+
+def apply_uninstall(host: Host, plan: UninstallPlan) -> None:
+    """Units stopped and disabled first, then the files removed, the toolkit's setting put back."""
+    reload_cmd = ("systemctl", "daemon-reload")
+    for argv in plan.commands:
+        if argv != reload_cmd:
+            host.run(argv, timeout=SYSTEMCTL_TIMEOUT).check()
+    for path in plan.remove:
+        host.remove_file(path)
+    for path, original in plan.restore:
+        host.write_file(path, original, expect=_with_envvar_off(original))
+        host.remove_file(f"{BACKUP_DIR}{path}")
+    if reload_cmd in plan.commands:
+        host.run(reload_cmd, timeout=SYSTEMCTL_TIMEOUT).check()

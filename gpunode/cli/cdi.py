@@ -313,3 +313,36 @@ def install(
         return
     apply_install(host, plan)
     click.echo("installed: the spec is regenerated at boot and when the driver's libraries change")
+
+
+@app.command(
+    "uninstall",
+    epilog=exit_codes("0    removed (or nothing of gpunode's to remove)", "8    systemctl failed"),
+)
+@_spec_options
+@click.option("--dry-run", is_flag=True, help="Print what would be removed or put back; change nothing.")
+@click.pass_context
+def uninstall(
+    ctx: click.Context, kind: str, driver_root: str, dev_root: str | None, output: str | None, dry_run: bool
+) -> None:
+    """Undo `cdi install` and `cdi generate`: stop and remove gpunode's units and spec, and put the toolkit's
+    NVIDIA_VISIBLE_DEVICES setting back (only files gpunode wrote, only while unchanged)."""
+    from gpunode.cdi.install import apply_uninstall, plan_uninstall
+    from gpunode.cli.state import state
+
+    host = state(ctx).host
+    plan = plan_uninstall(host, _options(kind, driver_root, dev_root, output))
+    would = "would " if dry_run else ""
+    for path in plan.remove:
+        click.echo(f"{would}remove {path}")
+    for path, _ in plan.restore:
+        click.echo(f"{would}put back {path} (as it was before `gpunode cdi install`)")
+    for argv in plan.commands:
+        click.echo(f"{would}run: {' '.join(argv)}")
+    for note in plan.notes:
+        click.echo(f"note: {note}")
+    if plan.changes_nothing:
+        click.echo("nothing of gpunode's CDI setup is here: nothing to do")
+        return
+    if not dry_run:
+        apply_uninstall(host, plan)

@@ -71,3 +71,43 @@ def test_up_without_cdi_has_no_cdi_step(node: Host, capsys: pytest.CaptureFixtur
     code, out, err = up(node, capsys, "--dry-run")
     assert code == ExitCode.OK, err
     assert "cdi:" not in out and "enable_cdi" not in out
+
+
+def test_down_undoes_the_cdi_step(node: Host, capsys: pytest.CaptureFixture[str]) -> None:
+    """`down` after `up --cdi`: the units are stopped, disabled and removed, gpunode's spec removed, and the
+    toolkit's NVIDIA_VISIBLE_DEVICES setting put back byte for byte; a second `down` finds nothing."""
+    toolkit_before = node.path(TOOLKIT_CONFIG).read_text() if node.path(TOOLKIT_CONFIG).exists() else None
+    code, _, err = up(node, capsys, "--cdi", "--yes")
+    assert code == ExitCode.OK, err
+    assert node.path(SPEC).exists() and node.path("/etc/systemd/system/gpunode-cdi.path").exists()
+
+    code = main(["down", "--dry-run"], host=node)
+    out, err = capsys.readouterr()
+    assert code == ExitCode.OK, err
+    assert "[  to do] cdi: remove gpunode's CDI spec and the units that keep it current" in out
+    assert (
+        f"remove {SPEC}" in out and "run: systemctl disable --now gpunode-cdi.path gpunode-cdi.service" in out
+    )
+    assert node.path(SPEC).exists()
+
+    code = main(["down", "--yes"], host=node)
+    out, err = capsys.readouterr()
+    assert code == ExitCode.OK, err
+    assert not node.path(SPEC).exists()
+    assert not node.path("/etc/systemd/system/gpunode-cdi.service").exists()
+    assert not node.path("/etc/systemd/system/gpunode-cdi.path").exists()
+    runner = node.runner
+    assert isinstance(runner, NodeRunner)
+    assert (
+        "systemctl",
+        "disable",
+        "--now",
+        "gpunode-cdi.path",
+        "gpunode-cdi.service",
+    ) in runner.systemd.calls
+    if toolkit_before is not None:
+        assert node.path(TOOLKIT_CONFIG).read_text() == toolkit_before
+
+    code = main(["down", "--yes"], host=node)
+    out, _ = capsys.readouterr()
+    assert code == ExitCode.OK and "[skipped] cdi: gpunode has set up no CDI spec here" in out

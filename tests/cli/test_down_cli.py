@@ -64,6 +64,7 @@ def test_dry_run_prints_every_step_in_reverse_and_changes_nothing(
     assert [line.split("]")[1].split(":")[0].strip() for line in lines] == [
         "plugin",
         "node",
+        "cdi",
         "runtime",
         "toolkit",
     ]

@@ -116,7 +116,7 @@ def test_up_and_down(gpu_node: Host, api: ApiServer, capsys: pytest.CaptureFixtu
     down = ["down", "--server", api.url, "--json"]
     code, plan = run_json("down", [*down, "--dry-run"], gpu_node, capsys)
     assert code == 0 and not plan["changed"]
-    assert [s["name"] for s in plan["steps"]] == ["plugin", "node", "runtime", "toolkit"]
+    assert [s["name"] for s in plan["steps"]] == ["plugin", "node", "cdi", "runtime", "toolkit"]
     code, done = run_json("down", [*down, "--yes"], gpu_node, capsys)
     assert code == 0 and done["changed"]
     code, again = run_json("down", [*down, "--yes"], gpu_node, capsys)
