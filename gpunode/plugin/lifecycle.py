@@ -617,6 +617,7 @@ class Plugin:
                 pre_start_required=self.config.pre_start_required, get_preferred_allocation_available=True
             ),
         )
+        served.server.service.expect_kubelet()  # kubelet answers Register by opening ListAndWatch
         try:
             with grpc.insecure_channel(f"unix://{kubelet}") as channel:
                 pb_grpc.RegistrationStub(channel).Register(request, timeout=REGISTER_TIMEOUT)

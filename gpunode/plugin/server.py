@@ -99,7 +99,18 @@ class DevicePluginService(deviceplugin_pb2_grpc.DevicePluginServicer):
         self.stopping = threading.Event()
         self._streams = 0
         self._streams_lock = threading.Lock()
+        # The open streams' end events, oldest first, and whether kubelet's next stream is due (set right
+        # before each Register: kubelet opens ListAndWatch as its answer to it).
+        self._open: list[threading.Event] = []
+        self._kubelet_due = False
         self._refusals = _Throttled()
+
+    def expect_kubelet(self) -> None:
+        """The next ListAndWatch is kubelet's (it follows our Register): it is admitted even when other
+        clients hold every slot, and the oldest of theirs is ended to make room — idle watchers on the socket
+        can take slots, never kubelet's stream."""
+        with self._streams_lock:
+            self._kubelet_due = True
 
     def update(self, topology: Topology, settings: ServeSettings) -> None:
         """New settings after a reload (one reference assignment: calls in flight keep the old pair)."""
@@ -115,10 +126,25 @@ class DevicePluginService(deviceplugin_pb2_grpc.DevicePluginServicer):
     def ListAndWatch(
         self, request: pb.Empty, context: grpc.ServicerContext
     ) -> Iterator[pb.ListAndWatchResponse]:
+        ended = threading.Event()
+        evicted: threading.Event | None = None
         with self._streams_lock:
-            admitted = self._streams < MAX_STREAMS
+            admitted = self._streams < MAX_STREAMS or (self._kubelet_due and bool(self._open))
             if admitted:
+                if self._streams >= MAX_STREAMS:
+                    evicted = self._open.pop(0)
+                    self._streams -= 1
+                self._kubelet_due = False
                 self._streams += 1
+                self._open.append(ended)
+        if evicted is not None:
+            evicted.set()
+            self.registry.wake()  # the evicted stream's wait returns, and its call ends
+            log.warning(
+                "%s: ended the oldest ListAndWatch stream to admit kubelet's (another client holds streams "
+                "on the plugin's socket)",
+                self.resource_name,
+            )
         if not admitted:
             self._refusals.warning(
                 "streams",
@@ -132,14 +158,16 @@ class DevicePluginService(deviceplugin_pb2_grpc.DevicePluginServicer):
                 f"{MAX_STREAMS} ListAndWatch streams of {self.resource_name} are open already",
             )
         try:
-            yield from self._watch(context)
+            yield from self._watch(context, ended)
         finally:
             with self._streams_lock:
-                self._streams -= 1
+                if ended in self._open:  # an evicted stream was counted out when it was evicted
+                    self._open.remove(ended)
+                    self._streams -= 1
 
-    def _watch(self, context: grpc.ServicerContext) -> Iterator[pb.ListAndWatchResponse]:
-        ended = threading.Event()
-
+    def _watch(
+        self, context: grpc.ServicerContext, ended: threading.Event
+    ) -> Iterator[pb.ListAndWatchResponse]:
         def on_end() -> None:
             ended.set()
             self.registry.wake()

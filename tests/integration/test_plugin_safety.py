@@ -145,6 +145,45 @@ def test_idle_streams_cannot_starve_kubelets_allocate(kubelet: FakeKubelet, sock
         kubelet.wait_for_devices(GPU, lambda d: healthy(d, 4), timeout=DEADLINE)
 
 
+def test_watchers_holding_every_slot_never_keep_kubelets_stream_out(
+    kubelet: FakeKubelet, socket_dir: Path
+) -> None:
+    """While kubelet is away (restarting), other clients take every ListAndWatch slot. When kubelet is back
+    and the plugin registers again, the stream kubelet opens in answer is admitted — the oldest watcher is
+    ended to make room — and kubelet sees its devices; a watcher opening a stream at another moment is still
+    refused."""
+    import grpc
+
+    from gpunode.plugin.server import MAX_STREAMS
+
+    with PluginProcess(socket_dir, profile="pcie-4") as plugin:
+        kubelet.wait_registered(GPU, timeout=DEADLINE)
+        kubelet.wait_for_devices(GPU, lambda d: healthy(d, 4), timeout=DEADLINE)
+        kubelet.stop()  # its stream ends with it; the plugin's socket stays
+        kubelet.wait_stream_ended(GPU, timeout=DEADLINE)
+        with grpc.insecure_channel(f"unix://{socket_dir / SOCKET}") as channel:
+            # The plugin frees kubelet's slot when it sees the call end, a moment after kubelet did.
+            watchers: list[Watcher] = []
+            deadline = time.monotonic() + DEADLINE
+            while len(watchers) < MAX_STREAMS:
+                assert time.monotonic() < deadline, "the slots kubelet left were never free"
+                w = Watcher(channel)
+                w.settle()
+                if w.first is not None:
+                    watchers.append(w)
+                else:
+                    time.sleep(0.05)
+            late = Watcher(channel)
+            late.settle()
+            assert late.error is not None and late.error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            kubelet.start()
+            kubelet.wait_registered(GPU, count=2, timeout=DEADLINE)
+            kubelet.wait_for_devices(GPU, lambda d: healthy(d, 4), timeout=DEADLINE)
+            plugin.wait_for_log("to admit kubelet's", timeout=DEADLINE)
+            for w in watchers:
+                w.call.cancel()
+
+
 def test_request_content_never_forges_or_floods_a_log_line(kubelet: FakeKubelet, socket_dir: Path) -> None:
     import grpc
 
