@@ -280,6 +280,9 @@ def check(
     help="Leave nvidia-container-runtime honouring NVIDIA_VISIBLE_DEVICES from unprivileged containers.",
 )
 @click.option("--dry-run", is_flag=True, help="Print the units and changes; change nothing.")
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print one JSON document (schema gpunode.cdi-install/v1)."
+)
 @click.pass_context
 def install(
     ctx: click.Context,
@@ -289,6 +292,7 @@ def install(
     output: str | None,
     keep_envvar: bool,
     dry_run: bool,
+    as_json: bool,
 ) -> None:
     """Keep the spec true: a boot-time oneshot (gpunode-cdi.service) and a path unit that regenerates it when
     the driver's libraries change (gpunode-cdi.path); and stop unprivileged containers from selecting GPUs
@@ -298,8 +302,31 @@ def install(
     from gpunode.systemd.service import gpunode_executable
 
     host = state(ctx).host
+    if as_json:
+        from gpunode import jsonout
+
+        jsonout.request("cdi-install", dry_run=dry_run)
     options = _options(kind, driver_root, dev_root, output)
     plan = plan_install(host, options, gpunode_executable(), restrict_envvar=not keep_envvar)
+    if as_json:
+        from gpunode import jsonout
+
+        if not dry_run:
+            apply_install(host, plan)
+        files = [
+            {"path": c.path, "action": "write" if c.changed else "unchanged", "content": c.content}
+            for c in plan.files
+        ]
+        doc = jsonout.document(
+            "cdi-install",
+            changed=plan.changed and not dry_run,
+            dry_run=dry_run,
+            files=files,
+            commands=[list(c) for c in plan.commands],
+            notes=list(plan.notes),
+        )
+        jsonout.emit(doc)
+        return
     for change in plan.files:
         state_word = "unchanged" if not change.changed else ("new" if change.old is None else "changed")
         click.echo(f"{change.path}: {state_word}")
@@ -321,9 +348,18 @@ def install(
 )
 @_spec_options
 @click.option("--dry-run", is_flag=True, help="Print what would be removed or put back; change nothing.")
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print one JSON document (schema gpunode.cdi-uninstall/v1)."
+)
 @click.pass_context
 def uninstall(
-    ctx: click.Context, kind: str, driver_root: str, dev_root: str | None, output: str | None, dry_run: bool
+    ctx: click.Context,
+    kind: str,
+    driver_root: str,
+    dev_root: str | None,
+    output: str | None,
+    dry_run: bool,
+    as_json: bool,
 ) -> None:
     """Undo `cdi install` and `cdi generate`: stop and remove gpunode's units and spec, and put the toolkit's
     NVIDIA_VISIBLE_DEVICES setting back (only files gpunode wrote, only while unchanged)."""
@@ -331,7 +367,27 @@ def uninstall(
     from gpunode.cli.state import state
 
     host = state(ctx).host
+    if as_json:
+        from gpunode import jsonout
+
+        jsonout.request("cdi-uninstall", dry_run=dry_run)
     plan = plan_uninstall(host, _options(kind, driver_root, dev_root, output))
+    if as_json:
+        from gpunode import jsonout
+
+        if not dry_run and not plan.changes_nothing:
+            apply_uninstall(host, plan)
+        doc = jsonout.document(
+            "cdi-uninstall",
+            changed=not plan.changes_nothing and not dry_run,
+            dry_run=dry_run,
+            remove=list(plan.remove),
+            restore=[p for p, _ in plan.restore],
+            commands=[list(c) for c in plan.commands],
+            notes=list(plan.notes),
+        )
+        jsonout.emit(doc)
+        return
     would = "would " if dry_run else ""
     for path in plan.remove:
         click.echo(f"{would}remove {path}")

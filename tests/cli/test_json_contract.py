@@ -331,3 +331,26 @@ def test_plugin_run_json_without_show_config_is_a_usage_error(
     code, doc = run_json("plugin-run", ["plugin", "run", "--json"], Host(root=tmp_path, env={}), capsys)
     assert code == ExitCode.USAGE and not doc["changed"]
     assert doc["error"]["fix"] == "add --show-config" and "settings" not in doc
+
+
+def test_cdi_install_and_uninstall(
+    tmp_path: Path, fake_nvml: Callable[..., None], capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake_nvml(profile="dgx-a100")
+    host = cdi_node(tmp_path)
+    assert isinstance(host.runner, ScriptedRunner)
+    host.runner.answer(["systemctl"])  # `systemctl --root=... enable|disable` (no systemd running there)
+    code, plan = run_json("cdi-install", ["cdi", "install", "--dry-run", "--json"], host, capsys)
+    assert code == 0 and plan["dry_run"] and not plan["changed"]
+    assert {f["action"] for f in plan["files"]} == {"write"}
+    assert not (tmp_path / "etc/systemd/system/gpunode-cdi.service").exists()
+    code, done = run_json("cdi-install", ["cdi", "install", "--json"], host, capsys)
+    assert code == 0 and done["changed"] and (tmp_path / "etc/systemd/system/gpunode-cdi.path").exists()
+    code, again = run_json("cdi-install", ["cdi", "install", "--json"], host, capsys)
+    assert code == 0 and not again["changed"]
+    code, plan = run_json("cdi-uninstall", ["cdi", "uninstall", "--dry-run", "--json"], host, capsys)
+    assert code == 0 and not plan["changed"] and "/etc/systemd/system/gpunode-cdi.path" in plan["remove"]
+    code, gone = run_json("cdi-uninstall", ["cdi", "uninstall", "--json"], host, capsys)
+    assert code == 0 and gone["changed"] and not (tmp_path / "etc/systemd/system/gpunode-cdi.path").exists()
+    code, again = run_json("cdi-uninstall", ["cdi", "uninstall", "--json"], host, capsys)
+    assert code == 0 and not again["changed"] and again["remove"] == []
