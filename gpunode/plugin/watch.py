@@ -143,8 +143,11 @@ class DirectoryWatch:
                 if exc.errno not in (errno.ENOENT, errno.ENOTDIR) or path == "/":
                     raise
                 path = os.path.dirname(path)
-        # It may have appeared between the failed add and the ancestor watch.
-        if os.path.isdir(self.directory):
+        # The next directory on the way down may have appeared between its failed add and this watch
+        # (`mkdir -p` makes the levels one after the other, faster than the watch moves down): its
+        # creation event is then lost, so look, and move down at once.
+        step = os.path.relpath(self.directory, path).split(os.sep, 1)[0]
+        if os.path.isdir(os.path.join(path, step)):
             return self._arm()
         if path != self._logged_ancestor:
             log.info("waiting for %s to exist (watching %s)", self.directory, path)

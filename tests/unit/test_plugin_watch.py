@@ -97,3 +97,39 @@ def test_stop_is_prompt_and_closes_the_descriptors(tmp_path: Path) -> None:
     watch.start()
     watch.stop()
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_a_level_made_while_the_watch_moves_down_is_not_missed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`mkdir -p` makes the levels faster than the watch follows: a level created after its own failed watch
+    and before its parent's watch is in place sends its event to no one. Forced here: the moment the watch
+    lands on var/, var/lib/kubelet already exists; the watch must see that and move down at once."""
+    import threading
+
+    from gpunode.plugin import watch as watch_module
+
+    directory = tmp_path / "var/lib/kubelet/device-plugins"
+    real_add = watch_module._Inotify.add
+    raced = threading.Event()
+
+    def racing_add(self: object, path: str, mask: int) -> int:
+        if path == str(tmp_path / "var") and (tmp_path / "var").is_dir():  # not at start: var is not there
+            (tmp_path / "var/lib/kubelet").mkdir(parents=True, exist_ok=True)
+            raced.set()
+        return real_add(self, path, mask)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(watch_module._Inotify, "add", racing_add)
+    recorder = Recorder()
+    watch = DirectoryWatch(str(directory), recorder)
+    watch.start()
+    try:
+        assert watch.ready.wait(TIMEOUT) and not watch.watching_directory
+        (tmp_path / "var").mkdir()
+        assert raced.wait(TIMEOUT)
+        # The watch moved on to var/lib/kubelet; the last level is seen as it appears.
+        directory.mkdir()
+        recorder.expect("dir-ready")
+        assert watch.watching_directory
+    finally:
+        watch.stop()
