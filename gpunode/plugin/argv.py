@@ -130,4 +130,9 @@ def run(args: Sequence[str]) -> None:
             "  This is a bug in gpunode. Re-run with --debug for the traceback and report it.\n"
         )
         sys.exit(int(ExitCode.INTERNAL))
-    sys.exit(int(ExitCode.OK))
+    # Stopped cleanly: servers stopped, sockets removed, status written, every log line out. Leave now,
+    # without the interpreter's finalization: it joins every thread pool worker (gRPC's included) and a
+    # worker still finishing a cancelled call could hold the exit until systemd's SIGKILL.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(int(ExitCode.OK))
