@@ -5,6 +5,7 @@ enabled, recorded, and removed again by uninstall."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 from collections.abc import Mapping, Sequence
@@ -51,6 +52,8 @@ def test_units_render_and_pass_systemd_analyze(tmp_path: Path) -> None:
     assert "\nType=oneshot\n" in unit and "\nSuccessExitStatus=1\n" in unit
     assert "\nOnUnitActiveSec=5min\n" in timer and "\nWantedBy=timers.target\n" in timer
     if shutil.which("systemd-analyze") is None:
+        if os.environ.get("CI"):
+            pytest.fail("systemd-analyze (Debian package systemd) is missing, and CI must check the units")
         pytest.skip("no systemd-analyze here")
     (tmp_path / service.DOCTOR_SERVICE).write_text(unit)
     (tmp_path / service.DOCTOR_TIMER).write_text(timer)
