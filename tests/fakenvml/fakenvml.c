@@ -71,6 +71,7 @@ enum {
     NVML_ERROR_TIMEOUT = 10,
     NVML_ERROR_FUNCTION_NOT_FOUND = 13,
     NVML_ERROR_GPU_IS_LOST = 15,
+    NVML_ERROR_INSUFFICIENT_RESOURCES = 23,
     NVML_ERROR_ARGUMENT_VERSION_MISMATCH = 25,
     NVML_ERROR_UNKNOWN = 999,
 };
@@ -99,6 +100,7 @@ enum {
 #define EV_PSTATE 0x4ULL
 #define EV_XID 0x8ULL
 #define EV_CLOCK 0x10ULL
+#define EV_MIG_CONFIG 0x100ULL /* nvmlEventMigConfigChange */
 
 #define NVML_MEMORY_V2_VERSION 0x02000028u
 #define NVML_PCI_INFO_EXT_V1_VERSION 0x01000040u
@@ -852,7 +854,7 @@ static void gpu_defaults(struct gpu *g)
     g->pending_mig_mode = UNSET_U32;
     g->max_mig = 7;
     g->nvlink_links = UNSET_U32;
-    g->supported_events = EV_SINGLE_BIT_ECC | EV_DOUBLE_BIT_ECC | EV_PSTATE | EV_XID | EV_CLOCK;
+    g->supported_events = UNSET_U64; /* finalize(): the MIG event too on a MIG-capable GPU */
 }
 
 static void mig_defaults(struct mig *m)
@@ -889,6 +891,9 @@ static int finalize(struct config *cfg, char *err, size_t errn)
             g->minor = i;
         if (g->pending_mig_mode == UNSET_U32)
             g->pending_mig_mode = g->mig_mode;
+        if (g->supported_events == UNSET_U64)
+            g->supported_events = EV_SINGLE_BIT_ECC | EV_DOUBLE_BIT_ECC | EV_PSTATE | EV_XID | EV_CLOCK |
+                                  (g->mig_capable ? EV_MIG_CONFIG : 0);
         if (g->nvlink_links == UNSET_U32)
             g->nvlink_links = g->links.n;
         if (g->nvlink_links < g->links.n || g->nvlink_links > NVML_NVLINK_MAX_LINKS) {
@@ -1202,6 +1207,158 @@ static int parse_target(const char *s, unsigned int *gpu, unsigned int *gi, unsi
     return 0;
 }
 
+/* MIG geometry changed at run time (mig-create / mig-destroy).  The real
+ * driver's GPU instance profiles of an A100 40GB, as `nvidia-smi mig -lgip`
+ * lists them: the only table the fake has, other GPUs refuse (see README). */
+static const struct mig_profile {
+    const char *name;
+    unsigned int slices;
+    unsigned long long mib;
+} A100_40GB_PROFILES[] = {
+    {"1g.5gb", 1, 4864},    {"2g.10gb", 2, 9984},  {"3g.20gb", 3, 19968},
+    {"4g.20gb", 4, 19968},  {"7g.40gb", 7, 40192},
+};
+
+#define A100_COMPUTE_SLICES 7
+static unsigned long long g_mig_serial; /* every created instance gets a new UUID */
+
+static const char *nvml_name(nvmlReturn_t rc)
+{
+    switch (rc) {
+    case NVML_ERROR_INVALID_ARGUMENT: return "INVALID_ARGUMENT";
+    case NVML_ERROR_NOT_SUPPORTED: return "NOT_SUPPORTED";
+    case NVML_ERROR_NOT_FOUND: return "NOT_FOUND";
+    case NVML_ERROR_GPU_IS_LOST: return "GPU_IS_LOST";
+    case NVML_ERROR_INSUFFICIENT_RESOURCES: return "INSUFFICIENT_RESOURCES";
+    default: return "UNKNOWN";
+    }
+}
+
+/* A refused change: nothing changes and no event is sent; the reason is
+ * what fakeNvmlGetLastError() says (and stderr), with the NVML code the real
+ * create/destroy call would have returned. */
+static void mig_refused(const char *line, nvmlReturn_t rc, const char *why)
+{
+    set_error("%s: refused (%s, as NVML would return %d %s): %s", g_ctl.path, line, rc, nvml_name(rc), why);
+}
+
+/* The checks nvmlDeviceCreateGpuInstance / nvmlGpuInstanceDestroy make on the parent. */
+static nvmlReturn_t mig_parent_ok(const struct gpu *g, const char **why)
+{
+    if (g->lost) {
+        *why = "the GPU is lost";
+        return NVML_ERROR_GPU_IS_LOST;
+    }
+    if (!g->mig_capable) {
+        *why = "the GPU is not MIG capable";
+        return NVML_ERROR_NOT_SUPPORTED;
+    }
+    if (!g->mig_mode) {
+        *why = "MIG mode is off on the GPU";
+        return NVML_ERROR_NOT_SUPPORTED;
+    }
+    return NVML_SUCCESS;
+}
+
+#define REFUSE(rc_, why_) \
+    do { \
+        mig_refused(line, (rc_), (why_)); \
+        return; \
+    } while (0)
+
+static void mig_changed(unsigned int gpu)
+{
+    /* The driver says only that the geometry changed, not what: no instance ids. */
+    struct event ev;
+    memset(&ev, 0, sizeof ev);
+    ev.gpu = gpu;
+    ev.type = EV_MIG_CONFIG;
+    ev.gi = ev.ci = NVML_NO_INSTANCE;
+    deliver(&ev);
+}
+
+/* mig-create <gpu> <profile> <gi> [ci]: a GPU instance and its one (full-size) compute instance,
+ * like `nvidia-smi mig -cgi <profile> -C`; the test picks the ids NVML would pick. */
+static void mig_create(const char *line, unsigned int gpu, const char *profile, unsigned int gi, unsigned int ci)
+{
+    struct gpu *g = &g_cfg.gpus[gpu];
+    const char *why = NULL;
+    nvmlReturn_t rc = mig_parent_ok(g, &why);
+    if (rc != NVML_SUCCESS)
+        REFUSE(rc, why);
+    if (!strstr(g->name, "A100") || g->memory_total > (48ULL << 30))
+        REFUSE(NVML_ERROR_NOT_SUPPORTED, "the fake knows MIG profiles of an A100 40GB only");
+    const struct mig_profile *p = NULL;
+    for (size_t i = 0; i < sizeof A100_40GB_PROFILES / sizeof A100_40GB_PROFILES[0]; i++)
+        if (!strcmp(A100_40GB_PROFILES[i].name, profile))
+            p = &A100_40GB_PROFILES[i];
+    if (!p)
+        REFUSE(NVML_ERROR_INVALID_ARGUMENT, "no such GPU instance profile");
+    unsigned int used = 0, free_slot = UINT_MAX;
+    for (unsigned int s = 0; s < g->max_mig; s++) {
+        const struct mig *m = &g->migs[s];
+        if (!m->present) {
+            if (free_slot == UINT_MAX)
+                free_slot = s;
+            continue;
+        }
+        if (m->gi == gi)
+            REFUSE(NVML_ERROR_INSUFFICIENT_RESOURCES,
+                   "that GPU instance exists (and its compute instance takes all of it)");
+        int seen = 0; /* a GPU instance's slices count once, however many compute instances it has */
+        for (unsigned int t = 0; t < s && !seen; t++)
+            seen = g->migs[t].present && g->migs[t].gi == m->gi;
+        if (!seen)
+            used += m->slices;
+    }
+    if (used + p->slices > A100_COMPUTE_SLICES)
+        REFUSE(NVML_ERROR_INSUFFICIENT_RESOURCES, "not enough free slices on the GPU");
+    if (free_slot == UINT_MAX)
+        REFUSE(NVML_ERROR_INSUFFICIENT_RESOURCES, "max_mig_devices instances exist");
+    struct mig *m = &g->migs[free_slot];
+    mig_defaults(m);
+    m->present = 1;
+    m->slot = free_slot;
+    char parent[NAME_LEN]; /* the GPU's name, copied: it lives in g_cfg too */
+    memcpy(parent, g->name, sizeof parent);
+    snprintf(m->name, sizeof m->name, "%.80s MIG %s", parent, p->name);
+    unsigned long long h = mix64(hash_str(g->uuid, ++g_mig_serial) ^ 0x4D4947ULL);
+    make_uuid(m->uuid, sizeof m->uuid, "MIG", h, mix64(h + 1));
+    m->memory_total = p->mib << 20;
+    m->memory_used = m->memory_total / 200;
+    m->gi = gi;
+    m->ci = ci;
+    m->slices = m->ci_slices = p->slices;
+    m->sms = 14 * p->slices;
+    m->copy_engines = p->slices;
+    m->decoders = p->slices / 2;
+    m->encoders = 0;
+    m->jpegs = m->ofas = p->slices == 7 ? 1 : 0;
+    mig_changed(gpu);
+}
+
+/* mig-destroy <gpu> <gi> [ci]: one compute instance, or the GPU instance with all of them
+ * (`nvidia-smi mig -dci -gi <gi>` then `-dgi -gi <gi>`). */
+static void mig_destroy(const char *line, unsigned int gpu, unsigned int gi, unsigned int ci)
+{
+    struct gpu *g = &g_cfg.gpus[gpu];
+    const char *why = NULL;
+    nvmlReturn_t rc = mig_parent_ok(g, &why);
+    if (rc != NVML_SUCCESS)
+        REFUSE(rc, why);
+    unsigned int gone = 0;
+    for (unsigned int s = 0; s < MAX_MIG; s++) {
+        struct mig *m = &g->migs[s];
+        if (m->present && m->gi == gi && (ci == UINT_MAX || m->ci == ci)) {
+            memset(m, 0, sizeof *m);
+            gone++;
+        }
+    }
+    if (!gone)
+        REFUSE(NVML_ERROR_NOT_FOUND, "no such GPU or compute instance");
+    mig_changed(gpu);
+}
+
 static void control_line(char *line)
 {
     strip_comment(line);
@@ -1215,7 +1372,9 @@ static void control_line(char *line)
     char *a1 = strtok_r(NULL, " \t", &save);
     char *a2 = strtok_r(NULL, " \t", &save);
     char *a3 = strtok_r(NULL, " \t", &save);
-    unsigned int gpu, gi, ci, v;
+    char *a4 = strtok_r(NULL, " \t", &save);
+    char *a5 = strtok_r(NULL, " \t", &save);
+    unsigned int gpu, gi, ci, v, id_gi, id_ci = 0;
     struct event ev;
     memset(&ev, 0, sizeof ev);
 
@@ -1256,6 +1415,16 @@ static void control_line(char *line)
         !parse_bool(a2, &v) && g_cfg.gpus[gpu].mig_capable) {
         g_cfg.gpus[gpu].mig_mode = v;
         g_cfg.gpus[gpu].pending_mig_mode = v;
+        return;
+    }
+    if (!strcmp(cmd, "mig-create") && a1 && a2 && a3 && !a5 && !parse_target(a1, &gpu, &gi, &ci) &&
+        gi == NVML_NO_INSTANCE && !parse_u32(a3, &id_gi) && (!a4 || !parse_u32(a4, &id_ci))) {
+        mig_create(copy, gpu, a2, id_gi, id_ci);
+        return;
+    }
+    if (!strcmp(cmd, "mig-destroy") && a1 && a2 && !a4 && !parse_target(a1, &gpu, &gi, &ci) &&
+        gi == NVML_NO_INSTANCE && !parse_u32(a2, &id_gi) && (!a3 || !parse_u32(a3, &id_ci))) {
+        mig_destroy(copy, gpu, id_gi, a3 ? id_ci : UINT_MAX);
         return;
     }
     fprintf(stderr, "fakenvml: %s: ignoring bad control line: %s\n", g_ctl.path, copy);

@@ -1004,3 +1004,126 @@ def test_queries_are_not_blocked_by_a_waiting_thread(nvml: Start, tmp_path: Path
         t.join(5)
     assert elapsed < 5
     assert sorted(seen) == list(range(0, 2000, 100))
+
+
+# ---------------------------------------------------------------------------------------------
+# MIG geometry changed at run time: mig-create / mig-destroy and nvmlEventMigConfigChange
+# ---------------------------------------------------------------------------------------------
+
+
+def mig_devices(n: Any, gpu: Any) -> list[tuple[int, str, str, int, int, int]]:
+    """(slot, UUID, name, MiB, gi, ci) of every MIG device NVML lists on the GPU."""
+    out = []
+    for slot in range(n.nvmlDeviceGetMaxMigDeviceCount(gpu)):
+        try:
+            m = n.nvmlDeviceGetMigDeviceHandleByIndex(gpu, slot)
+        except N.NVMLError_NotFound:
+            continue
+        out.append(
+            (
+                slot,
+                n.nvmlDeviceGetUUID(m),
+                n.nvmlDeviceGetName(m),
+                n.nvmlDeviceGetMemoryInfo(m).total // MiB,
+                n.nvmlDeviceGetGpuInstanceId(m),
+                n.nvmlDeviceGetComputeInstanceId(m),
+            )
+        )
+    return out
+
+
+def test_mig_capable_gpus_list_the_mig_event(nvml: Start) -> None:
+    n = nvml("mig")
+    for h in handles(n):  # both A100s are MIG capable, MIG on or off
+        assert n.nvmlDeviceGetSupportedEventTypes(h) & N.nvmlEventMigConfigChange
+    n.nvmlShutdown()
+    n = nvml("pcie-4")
+    assert not n.nvmlDeviceGetSupportedEventTypes(handles(n)[0]) & N.nvmlEventMigConfigChange
+
+
+def test_mig_create_and_destroy_change_the_geometry_and_send_the_event(nvml: Start, tmp_path: Path) -> None:
+    ctl = tmp_path / "control"
+    n = nvml("mig", control=ctl)
+    g0, g1 = handles(n)
+    es = n.nvmlEventSetCreate()
+    xid_only = n.nvmlEventSetCreate()
+    n.nvmlDeviceRegisterEvents(g0, N.nvmlEventMigConfigChange, es)
+    n.nvmlDeviceRegisterEvents(g1, N.nvmlEventMigConfigChange, es)
+    n.nvmlDeviceRegisterEvents(g0, N.nvmlEventTypeXidCriticalError, xid_only)
+    before = mig_devices(n, g0)
+    assert [(d[0], d[4]) for d in before] == [(0, 7), (1, 8), (2, 3)]
+
+    inject(ctl, "mig-create 0 3g.20gb 2")
+    after = mig_devices(n, g0)
+    assert after[:3] == before
+    slot, uuid, name, mib, gi, ci = after[3]
+    assert (slot, name, mib, gi, ci) == (3, "NVIDIA A100-SXM4-40GB MIG 3g.20gb", 19968, 2, 0)
+    assert uuid.startswith("MIG-") and uuid not in {d[1] for d in before}
+    event = wait(n, es)
+    assert (event.eventType, event.eventData) == (N.nvmlEventMigConfigChange, 0)
+    assert (event.gpuInstanceId, event.computeInstanceId) == (0xFFFFFFFF, 0xFFFFFFFF)  # only "changed"
+    assert n.nvmlDeviceGetUUID(event.device) == n.nvmlDeviceGetUUID(g0)
+    with pytest.raises(N.NVMLError_Timeout):
+        wait(n, xid_only, 20)  # not registered for the MIG event
+
+    inject(ctl, "mig-destroy 0 7")
+    assert [d[4] for d in mig_devices(n, g0)] == [8, 3, 2]
+    assert wait(n, es).eventType == N.nvmlEventMigConfigChange
+    # The freed slot takes the next instance, under a UUID of its own.
+    inject(ctl, "mig-create 0 1g.5gb 7 0")
+    slot0 = mig_devices(n, g0)[0]
+    assert (slot0[0], slot0[3], slot0[4]) == (0, 4864, 7)
+    assert slot0[1] != before[0][1]
+    assert wait(n, es).eventType == N.nvmlEventMigConfigChange
+
+
+@pytest.mark.parametrize(
+    ("line", "code", "why"),
+    [
+        ("mig-create 1 1g.5gb 5", "3 NOT_SUPPORTED", "MIG mode is off"),
+        ("mig-create 0 2g.20gb 5", "2 INVALID_ARGUMENT", "no such GPU instance profile"),
+        ("mig-create 0 4g.20gb 5", "23 INSUFFICIENT_RESOURCES", "not enough free slices"),
+        ("mig-create 0 1g.5gb 7", "23 INSUFFICIENT_RESOURCES", "that GPU instance exists"),
+        ("mig-destroy 0 42", "6 NOT_FOUND", "no such GPU or compute instance"),
+        ("mig-destroy 0 7 1", "6 NOT_FOUND", "no such GPU or compute instance"),
+        ("mig-destroy 1 7", "3 NOT_SUPPORTED", "MIG mode is off"),
+    ],
+)
+def test_a_refused_mig_change_changes_nothing_and_says_what_nvml_would_return(
+    nvml: Start, tmp_path: Path, line: str, code: str, why: str
+) -> None:
+    ctl = tmp_path / "control"
+    n = nvml("mig", control=ctl)
+    g0, g1 = handles(n)
+    es = n.nvmlEventSetCreate()
+    for h in (g0, g1):
+        n.nvmlDeviceRegisterEvents(h, N.nvmlEventMigConfigChange, es)
+    before = [mig_devices(n, g) for g in (g0, g1)]
+    inject(ctl, line)
+    assert [mig_devices(n, g) for g in (g0, g1)] == before
+    assert f"as NVML would return {code}" in last_error() and why in last_error()
+    with pytest.raises(N.NVMLError_Timeout):
+        wait(n, es, 20)
+
+
+def test_mig_changes_on_gpus_without_mig_or_without_the_event(nvml: Start, tmp_path: Path) -> None:
+    ctl = tmp_path / "control"
+    n = nvml("pcie-4", control=ctl)
+    inject(ctl, "mig-create 0 1g.5gb 1")
+    n.nvmlDeviceGetCount()
+    assert "NOT_SUPPORTED" in last_error() and "not MIG capable" in last_error()
+    n.nvmlShutdown()
+    # An A100 whose driver does not send the MIG event: the geometry changes all the same, nobody is told.
+    config = tmp_path / "no-event.ini"
+    config.write_text(
+        "[gpu]\nname = NVIDIA A100-SXM4-40GB\nmemory_total = 40960 MiB\nmig_capable = 1\nmig_mode = 1\n"
+        "supported_events = 0x1f\n"
+    )
+    ctl = tmp_path / "control-2"  # lines present at nvmlInit apply then: the first file's would too
+    n = nvml(config=config, control=ctl)
+    (g,) = handles(n)
+    es = n.nvmlEventSetCreate()
+    with pytest.raises(N.NVMLError_NotSupported):
+        n.nvmlDeviceRegisterEvents(g, N.nvmlEventMigConfigChange, es)
+    inject(ctl, "mig-create 0 7g.40gb 0")
+    assert [(d[2], d[3]) for d in mig_devices(n, g)] == [("NVIDIA A100-SXM4-40GB MIG 7g.40gb", 40192)]
