@@ -352,27 +352,55 @@ class DeviceRegistry:
     # -- writers --------------------------------------------------------------------------------
 
     def replace(self, resources: Iterable[Resource]) -> None:
-        """Serve a new set of resources (after a reload).
+        """Serve a new set of resources (after a reload, or a MIG change found by the MIG watcher).
+
+        A resource's version moves (its ListAndWatch streams send again) only when what kubelet sees of it
+        changed: its devices or their health. A MIG change re-reads every resource, and kubelet must not
+        get a resend of the ones it did not touch.
 
         Health marks follow their GPU by UUID, since a re-enumeration may change indexes; marks of GPUs
-        that are gone are dropped.
+        that are gone are dropped. A mark on a MIG instance follows that instance by its MIG UUID and is
+        dropped once the instance is gone: an instance created later with the same gi/ci ids is another
+        device and starts healthy.
         """
         with self._cond:
             old = self._states
+            shown_before = {name: self._shown(s.resource) for name, s in old.items()}
             old_uuid = {d.gpu_index: d.gpu_uuid for s in old.values() for d in s.resource.devices}
+            old_mig = _mig_units(s.resource for s in old.values())
             self._states = {}
             for r in resources:
                 prev = old.get(r.name)
-                self._states[r.name] = _ResourceState(r, (prev.version + 1) if prev else 0)
+                self._states[r.name] = _ResourceState(r, prev.version if prev else 0)
             new_index = {d.gpu_uuid: d.gpu_index for s in self._states.values() for d in s.resource.devices}
+            new_mig = {
+                uuid: unit for unit, uuid in _mig_units(s.resource for s in self._states.values()).items()
+            }
             marks: dict[Unit, str] = {}
             for unit, reason in self._unhealthy.items():
+                mig_uuid = old_mig.get(unit) if unit.instance is not None else None
+                if mig_uuid is not None:
+                    moved = new_mig.get(mig_uuid)
+                    if moved is not None:
+                        marks[moved] = reason
+                    continue
+                # A whole GPU, or an instance no served device stood for (mig-strategy none): by GPU UUID.
                 index = new_index.get(old_uuid.get(unit.gpu_index, ""))
                 if index is not None:
                     marks[Unit(index, unit.instance)] = reason
             self._unhealthy = marks
             self._unmonitored = {u: v for u, v in self._unmonitored.items() if u in new_index}
+            for name, state in self._states.items():
+                prev = old.get(name)
+                if prev is not None and (
+                    prev.resource != state.resource or shown_before[name] != self._shown(state.resource)
+                ):
+                    state.version += 1
             self._cond.notify_all()
+
+    def _shown(self, resource: Resource) -> tuple[DeviceHealth, ...]:
+        """What a ListAndWatch message of the resource carries, as far as the GPU marks decide it."""
+        return tuple(self._health(d) for d in resource.devices)
 
     def mark(self, unit: Unit, reason: str | None) -> bool:
         """Mark a GPU (and everything on it) or one MIG instance unhealthy (reason) or healthy (None).
@@ -482,6 +510,11 @@ class DeviceRegistry:
         if reason is None and unit.instance is not None:
             reason = self._unhealthy.get(unit)
         return DeviceHealth(device, reason is None, reason)
+
+
+def _mig_units(resources: Iterable[Resource]) -> dict[Unit, str]:
+    """Each served MIG instance's unit and its MIG UUID."""
+    return {d.unit: d.uuid for r in resources for d in r.devices if d.unit.instance is not None and d.uuid}
 
 
 def _covers(marked: Unit, device_unit: Unit) -> bool:
