@@ -36,6 +36,7 @@ from gpunode.plugin.config import PluginConfig
 from gpunode.plugin.devices import DeviceHealth, DeviceRegistry, Resource, Sharing, Unit, build_resources
 from gpunode.plugin.health import HealthMonitor
 from gpunode.plugin.logsafe import shown
+from gpunode.plugin.migwatch import MigWatcher
 from gpunode.plugin.observe import PluginObserver, start_observer
 from gpunode.plugin.preferred import Topology
 from gpunode.plugin.server import ResourceServer, ServeSettings, device_message
@@ -188,6 +189,7 @@ class Plugin:
         self._nodes = DeviceNodes()
         self._inventory: Inventory | None = None
         self._health: HealthMonitor | None = None
+        self._mig_watch: MigWatcher | None = None  # MIG geometry changes, seen without a SIGHUP
         self._watch: DirectoryWatch | None = None
         self._discovery_timer: threading.Timer | None = None
         self._discovery_delay = 1.0
@@ -241,6 +243,8 @@ class Plugin:
                     self._reload()
                 elif kind == "rediscover":
                     self._load_devices(first=False)
+                elif kind == "mig":
+                    self._mig_changed()
                 elif kind == "fs" and isinstance(payload, DirEvent):
                     if not self._relevant(payload):
                         continue
@@ -295,6 +299,8 @@ class Plugin:
             self._watch.stop()
         if self._health is not None:
             self._health.stop()
+        if self._mig_watch is not None:
+            self._mig_watch.stop()
         self._release_dir_lock()
         self._observer.stop()
 
@@ -366,6 +372,7 @@ class Plugin:
                 f" ({resource.replicas} replicas per GPU)" if resource.replicas > 1 else "",
             )
         self._restart_health(inventory)
+        self._follow_mig(inventory)
 
     def _refresh_cdi_spec(self, inventory: Inventory) -> None:
         """Keep gpunode's own CDI spec true to what NVML reports now: at start, and on every re-discovery
@@ -455,6 +462,44 @@ class Plugin:
             return  # no NVML to ask: a simulated node is always healthy
         self._health = HealthMonitor(self.registry, inventory.gpus, self.config.health)
         self._health.start()
+
+    def _follow_mig(self, inventory: Inventory) -> None:
+        """Watch the MIG geometry of what was just read (only a MIG strategy on a MIG-capable node needs it;
+        a simulated node has no NVML). A running watcher is told what is served now rather than replaced:
+        no new NVML session or event set for each change it reports."""
+        if self.simulated or not MigWatcher.wanted(inventory.gpus, self.config.mig_strategy):
+            if self._mig_watch is not None:
+                self._mig_watch.stop()
+                self._mig_watch = None
+            return
+        if self._mig_watch is None:
+            self._mig_watch = MigWatcher(inventory.gpus, lambda: self._events.put(("mig", None)))
+            self._mig_watch.start()
+        else:
+            self._mig_watch.update(inventory.gpus)
+
+    def _mig_changed(self) -> None:
+        """The MIG watcher saw the geometry change: read the GPUs again and serve what is there now.
+
+        The registry resends only the lists that changed; _reconcile (after this) serves and registers new
+        resources and stops those that are gone; resources that did not change keep their socket,
+        registration and stream. Devices kubelet allocated are not touched (MIG instances in use cannot
+        be destroyed)."""
+        try:
+            self._load_devices(first=False)
+        except ConfigError as err:
+            # E.g. mig-strategy single while a repartition is half done (two profiles at once): keep what is
+            # served; the watcher reports the next change, and SIGHUP re-reads at any time.
+            log.error(
+                "after a MIG change: %s%s; keeping the resources served",
+                err.message,
+                f" (fix: {err.fix})" if err.fix else "",
+            )
+            return
+        # Servers that stay answer Allocate for new MIG devices too: their device nodes (nvidia-caps) are new.
+        settings = self._serve_settings()
+        for served in self._served.values():
+            served.server.service.update(self._topology, settings)
 
     def _schedule_discovery(self) -> None:
         if self._discovery_timer is not None:
