@@ -159,7 +159,7 @@ def plugin_owner(host: Host, resource: str) -> str | None:
 
 
 def plugin_sharing(host: Host) -> Sharing:
-    """The installed plugin's time-slicing settings (its config file, gpunode's TOML or NVIDIA's), or none.
+    """The installed plugin's sharing, time-slicing or MPS (its config file: TOML or NVIDIA's), or none.
 
     With per-resource sharing (time-slicing.resources) the replicas are those of the whole-GPU resource
     (resource-name), as GFD labels them, else of the first shared resource; a per-resource rename counts
@@ -167,13 +167,16 @@ def plugin_sharing(host: Host) -> Sharing:
     config = _plugin_config(host)
     if config is None:
         return Sharing()
-    entries = [e for e in config.shared_resources if e.replicas > 1]
+    mps = any(e.replicas > 1 for e in config.mps_resources)
+    entries = [e for e in (config.mps_resources if mps else config.shared_resources) if e.replicas > 1]
     if not entries:
         return Sharing(replicas=config.replicas, rename_by_default=config.rename_by_default)
     domain = config.resource_name.split("/", 1)[0]
     full = [e for e in entries if (e.name if "/" in e.name else f"{domain}/{e.name}") == config.resource_name]
     entry = (full or entries)[0]
-    return Sharing(replicas=entry.replicas, rename_by_default=config.rename_by_default or bool(entry.rename))
+    return Sharing(
+        replicas=entry.replicas, rename_by_default=config.rename_by_default or bool(entry.rename), mps=mps
+    )
 
 
 def plugin_resource(host: Host) -> str:

@@ -605,6 +605,11 @@ class Host:
                 "move that file away (or point gpunode at another directory), then run the command again",
             ) from exc
 
+    def set_mode(self, host_path: str, mode: int) -> None:
+        """chmod: for directories whose mode the umask must not decide (a sticky, world-writable one)."""
+        with _permission("change the mode of", host_path):
+            os.chmod(self.path(host_path), mode)
+
     @contextlib.contextmanager
     def lock(self, host_path: str) -> Iterator[None]:
         """Hold an exclusive lock (flock on `host_path`, created if needed) so that two gpunode runs that

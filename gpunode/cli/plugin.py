@@ -150,6 +150,27 @@ def _switch(flag: str, env: str, text: str) -> Callable[[F], F]:
 @_switch(
     "--imex-required", "GPUNODE_IMEX_REQUIRED", "Refuse to start when a configured IMEX channel is missing."
 )
+@_flag(
+    "--mps-resources",
+    "GPUNODE_MPS_RESOURCES",
+    'MPS sharing per resource, as JSON: [{"name": "nvidia.com/gpu", "replicas": 4}]; a control daemon each.',
+    "JSON",
+)
+@_flag(
+    "--mps-root", "GPUNODE_MPS_ROOT", "MPS pipe, log and shm directories (default /run/nvidia/mps).", "DIR"
+)
+@_flag(
+    "--mps-active-thread-percentage",
+    "GPUNODE_MPS_ACTIVE_THREAD_PERCENTAGE",
+    "MPS: active threads per client, 1-100 (default 100 / replicas).",
+    "PERCENT",
+)
+@_flag(
+    "--mps-pinned-memory-limit",
+    "GPUNODE_MPS_PINNED_MEMORY_LIMIT",
+    "MPS: device memory per client, MiB or e.g. 10G (default: the GPU's memory / replicas).",
+    "SIZE",
+)
 @_switch("--health-checks", "GPUNODE_HEALTH_ENABLED", "Watch NVML events (Xid, ECC) and mark GPUs unhealthy.")
 @_flag(
     "--ignored-xids",
@@ -217,6 +238,10 @@ def run(
     gdrcopy_enabled: bool | None,
     imex_channel_ids: str | None,
     imex_required: bool | None,
+    mps_resources: str | None,
+    mps_root: str | None,
+    mps_active_thread_percentage: str | None,
+    mps_pinned_memory_limit: str | None,
     health_checks: bool | None,
     ignored_xids: str | None,
     critical_xids: str | None,
@@ -259,6 +284,10 @@ def run(
         "gdrcopy_enabled": gdrcopy_enabled,
         "imex_channel_ids": imex_channel_ids,
         "imex_required": imex_required,
+        "mps_resources": mps_resources,
+        "mps_root": mps_root,
+        "mps_active_thread_percentage": mps_active_thread_percentage,
+        "mps_pinned_memory_limit": mps_pinned_memory_limit,
         "health.enabled": health_checks,
         "health.ignored_xids": ignored_xids,
         "health.critical_xids": critical_xids,

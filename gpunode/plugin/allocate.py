@@ -28,6 +28,8 @@ CONTROL_DEVICES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools",
 IMEX_CHANNEL_DIR = "/dev/nvidia-caps-imex-channels"
 IMEX_CHANNELS = "NVIDIA_IMEX_CHANNELS"
 IMEX_CDI_KIND = "nvidia.com/imex-channel"  # NVIDIA's CDI class for the channels
+MPS_PIPE_ENV = "CUDA_MPS_PIPE_DIRECTORY"
+SHM = "/dev/shm"  # noqa: S108 (the container's shared-memory mount point, not a temporary file)
 
 
 class Refused(Exception):
@@ -56,6 +58,16 @@ class DeviceNodes:
 
 
 @dataclass(frozen=True)
+class MpsMounts:
+    """What a container of an MPS-shared resource needs to reach its control daemon and server: the pipe
+    directory (named pipes, sockets) and the shared memory the daemon's servers use, both on the host."""
+
+    pipe_dir: str  # host path, <mps-root>/<resource>/pipe
+    shm_dir: str  # host path, the daemon's own /dev/shm (<mps-root>/<resource>/shm)
+    container_pipe_dir: str  # where the container sees the pipe directory (NVIDIA's /mps/<resource>/pipe)
+
+
+@dataclass(frozen=True)
 class AllocateSettings:
     device_list_strategy: tuple[str, ...] = ("envvar",)
     pass_device_specs: bool = False
@@ -65,6 +77,8 @@ class AllocateSettings:
     # NVIDIA_GDS / NVIDIA_MOFED / NVIDIA_GDRCOPY=enabled: every container gets them, whatever the strategy
     extra_envs: Mapping[str, str] = field(default_factory=dict)
     annotation_prefix: str = ANNOTATION_PREFIX
+    # Resources shared through MPS, by name: their containers get the daemon's pipe directory and shm.
+    mps: Mapping[str, MpsMounts] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -98,7 +112,7 @@ def allocate(
     answers: list[ContainerAllocation] = []
     for ids in containers:
         devices = _check(resource, known, ids, health, settings)
-        answers.append(_answer(devices, settings))
+        answers.append(_answer(devices, settings, settings.mps.get(resource.name)))
     return answers
 
 
@@ -137,7 +151,9 @@ def _check(
     return devices
 
 
-def _answer(devices: list[PluginDevice], settings: AllocateSettings) -> ContainerAllocation:
+def _answer(
+    devices: list[PluginDevice], settings: AllocateSettings, mps: MpsMounts | None = None
+) -> ContainerAllocation:
     # Replicas of one GPU are one device to the runtime: expose each physical device once, in order.
     visible = list(dict.fromkeys(d.visible_id for d in devices))
     envs: dict[str, str] = dict(settings.extra_envs)
@@ -182,6 +198,14 @@ def _answer(devices: list[PluginDevice], settings: AllocateSettings) -> Containe
                 wanted.extend(nodes.mig_caps.get(device.uuid, ()))
         wanted.extend(f"{IMEX_CHANNEL_DIR}/channel{c}" for c in channels)
         specs = [(p, nodes.host_path(p), "rw") for p in dict.fromkeys(wanted)]
+    if mps is not None and any(d.replica is not None for d in devices):
+        # Only for replicas (an MPS entry's `devices` may leave GPUs unshared in the resource), whatever the
+        # device-list strategy (the runtime still exposes the GPU): the client's CUDA finds the
+        # control daemon through the pipe directory, and talks to its server through shared memory, which
+        # must be the daemon's own /dev/shm, not the pod's.
+        envs[MPS_PIPE_ENV] = mps.container_pipe_dir
+        mounts.append((mps.container_pipe_dir, mps.pipe_dir, False))
+        mounts.append((SHM, mps.shm_dir, False))
     return ContainerAllocation(envs, tuple(mounts), tuple(specs), annotations, tuple(cdi))
 
 

@@ -56,6 +56,12 @@ class PluginConfig:
     gdrcopy_enabled: bool = False
     imex_channel_ids: tuple[int, ...] = ()
     imex_required: bool = False
+    # MPS sharing: per-resource replicas (as time-slicing.resources), each shared resource served by its
+    # own control daemon with its pipe, log and shm directories under mps_root.
+    mps_resources: tuple[SharedResource, ...] = ()
+    mps_root: str = "/run/nvidia/mps"
+    mps_active_thread_percentage: int = 0  # per client; 0: 100 / replicas
+    mps_pinned_memory_limit: int = 0  # MiB of device memory per client; 0: the GPU's memory / replicas
     health: HealthSettings = field(default_factory=HealthSettings)
     # Prometheus metrics: "" is off (the default: an unauthenticated HTTP listener on every GPU node is the
     # operator's choice, and a scraper off the node needs an address only they can pick); "HOST:PORT" on.
@@ -282,6 +288,35 @@ def _channel_ids(value: Any, where: str) -> tuple[int, ...]:
     return tuple(items)
 
 
+def _percentage(value: Any, where: str) -> int:
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value.strip())
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 100:
+        raise ConfigError(
+            f"{where}: {value!r} is not a percentage from 1 to 100", "give e.g. 25; 0 means 100 / replicas"
+        )
+    return value
+
+
+_SIZE = re.compile(r"^\s*(\d+)\s*(|m|mi|mib|mb|g|gi|gib|gb)\s*$", re.IGNORECASE)
+
+
+def _mebibytes(value: Any, where: str) -> int:
+    """A memory size in MiB: a whole number (MiB) or a string with M/Mi/MiB or G/Gi/GiB (as MPS's own
+    set_default_device_pinned_mem_limit takes them, in binary units). 0 or "" is "derived"."""
+    if value == "":
+        return 0
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    match = _SIZE.match(value) if isinstance(value, str) else None
+    if match is None:
+        raise ConfigError(
+            f"{where}: {value!r} is not a memory size", 'give MiB (10240) or a size such as "10G" or "512M"'
+        )
+    number, unit = int(match.group(1)), match.group(2).lower()
+    return number * 1024 if unit.startswith("g") else number
+
+
 def _path_or_empty(value: Any, where: str) -> str:
     return "" if value == "" else _absolute_path(value, where)
 
@@ -360,6 +395,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("imex_channel_ids", "imex.channel-ids", "GPUNODE_IMEX_CHANNEL_IDS", "--imex-channel-ids",
            _channel_ids),
     Option("imex_required", "imex.required", "GPUNODE_IMEX_REQUIRED", "--imex-required", _bool),
+    Option("mps_resources", "mps.resources", "GPUNODE_MPS_RESOURCES", "--mps-resources", _shared_resources),
+    Option("mps_root", "mps.root", "GPUNODE_MPS_ROOT", "--mps-root", _absolute_path),
+    Option("mps_active_thread_percentage", "mps.active-thread-percentage",
+           "GPUNODE_MPS_ACTIVE_THREAD_PERCENTAGE", "--mps-active-thread-percentage", _percentage),
+    Option("mps_pinned_memory_limit", "mps.pinned-memory-limit", "GPUNODE_MPS_PINNED_MEMORY_LIMIT",
+           "--mps-pinned-memory-limit", _mebibytes),
     Option("health.enabled", "health.enabled", "GPUNODE_HEALTH_ENABLED", "--health-checks", _bool),
     Option("health.ignored_xids", "health.ignored-xids", "GPUNODE_HEALTH_IGNORED_XIDS", "--ignored-xids",
            _xids),
@@ -463,6 +504,11 @@ def load_config(
     """
     env = host.env if env is None else env
     explicit = config_path or env.get(CONFIG_ENV) or None
+    if explicit is not None and not explicit.startswith("/"):
+        # `--config plugin.yaml`: relative to where the command runs, as any command-line path.
+        import os
+
+        explicit = os.path.abspath(explicit)
     levels: list[dict[str, tuple[Any, str]]] = [
         read_config_file(host, explicit or DEFAULT_CONFIG, required=bool(explicit)),
         {},
@@ -507,7 +553,23 @@ def load_config(
 
 
 def _check_combination(config: PluginConfig) -> None:
-    if config.replicas > 1 and config.rename_by_default:
+    mps = [e for e in config.mps_resources if e.replicas > 1]
+    if mps:
+        sliced = config.replicas > 1 or any(e.replicas > 1 for e in config.shared_resources)
+        if sliced:
+            # NVIDIA's plugin silently takes MPS and drops time-slicing; one strategy per node, said aloud.
+            raise ConfigError(
+                "mps.resources and time-slicing (time-slicing.replicas or time-slicing.resources) are both "
+                "set: a node shares its GPUs one way",
+                "keep either the MPS or the time-slicing settings",
+            )
+        if config.mig_strategy != "none":
+            raise ConfigError(
+                f"mps.resources with mig-strategy {config.mig_strategy}: MPS shares whole GPUs only, not MIG "
+                "devices",
+                "use mig-strategy none on MPS nodes, or share MIG devices with time-slicing.resources",
+            )
+    if (config.replicas > 1 or mps) and config.rename_by_default:
         shared = config.resource_name + ".shared"
         problem = resource_name_problem(shared)
         if problem:

@@ -59,7 +59,8 @@ class Resource:
     name: str  # e.g. nvidia.com/gpu, nvidia.com/mig-1g.5gb, nvidia.com/gpu.shared
     socket_name: str  # file name in the device-plugins directory
     devices: tuple[PluginDevice, ...]
-    replicas: int = 1  # time-slicing replicas per physical device (1: not shared)
+    replicas: int = 1  # replicas per physical device (1: not shared)
+    sharing: str = "none"  # how the replicas share a device: "none", "time-slicing" or "mps"
 
     def by_id(self) -> dict[str, PluginDevice]:
         return self._by_id
@@ -113,11 +114,16 @@ class NamedResource:
         return {"pattern": self.pattern, "name": self.name}
 
 
+SHARING_STRATEGIES = ("time-slicing", "mps")
+
+
 @dataclass(frozen=True)
 class Sharing:
     replicas: int = 1  # every resource, every device (gpunode's time-slicing.replicas)
     rename_by_default: bool = False
     resources: tuple[SharedResource, ...] = ()  # per resource; these win over `replicas` for their names
+    # How replicas share a GPU. One strategy per plugin, as in NVIDIA's plugin: config refuses a mix.
+    strategy: str = "time-slicing"
 
 
 def build_resources(
@@ -193,6 +199,7 @@ def build_resources(
 
     by_name: dict[str, list[PluginDevice]] = {}
     replicas_of: dict[str, int] = {}
+    shared_names: set[str] = set()
     for name, members in groups.items():
         base = [_device(gpu, mig, device_id_strategy) for gpu, mig in members]
         share = _sharing_for(name, domain, sharing)
@@ -201,6 +208,12 @@ def build_resources(
             replicas_of.setdefault(name, 1)
             continue
         chosen = _selected(base, share.devices)
+        if sharing.strategy == "mps" and any(d.mig is not None for d in chosen):
+            # MPS runs on whole GPUs only (NVIDIA: "MPS is not supported with MIG").
+            raise ConfigError(
+                f"{name}: MPS sharing of MIG devices is not possible (MPS shares whole GPUs only)",
+                "use mig-strategy none for MPS, or share the MIG devices with time-slicing",
+            )
         shared_name = _qualified(domain, share.rename) if share.rename else name
         if not share.rename and sharing.rename_by_default:
             shared_name = name + ".shared"
@@ -211,8 +224,15 @@ def build_resources(
             replicas_of.setdefault(name, 1)
         by_name.setdefault(shared_name, []).extend(r for d in chosen for r in _replicate(d, share.replicas))
         replicas_of[shared_name] = share.replicas
+        shared_names.add(shared_name)
     return tuple(
-        Resource(name, socket_name(name), tuple(devices), replicas_of[name])
+        Resource(
+            name,
+            socket_name(name),
+            tuple(devices),
+            replicas_of[name],
+            sharing.strategy if name in shared_names else "none",
+        )
         for name, devices in by_name.items()
     )
 
@@ -345,6 +365,9 @@ class DeviceRegistry:
         # GPUs the health monitor cannot watch (by UUID: index, why). They stay healthy and schedulable;
         # this is only reported (status file, `plugin status`, doctor), never sent to kubelet.
         self._unmonitored: dict[str, tuple[int, str]] = {}
+        # Resources whose every device is unhealthy for a reason outside the GPUs (an MPS control daemon
+        # that is down): resource name -> why. Kept across replace(): the supervisor of that reason clears it.
+        self._down: dict[str, str] = {}
         self._cond = threading.Condition()
         self._closed = False
         self.replace(resources)
@@ -424,6 +447,26 @@ class DeviceRegistry:
             self.on_health_change()
         return True
 
+    def set_resource_down(self, name: str, reason: str | None) -> bool:
+        """Make every device of a resource unhealthy (reason) or take that back (None); True if that changed.
+
+        For what serves a whole resource besides its GPUs: its MPS control daemon. GPU marks are untouched,
+        so a device is healthy only when both its GPU and its resource are."""
+        with self._cond:
+            if self._down.get(name) == reason:
+                return False
+            if reason is None:
+                del self._down[name]
+            else:
+                self._down[name] = reason
+            state = self._states.get(name)
+            if state is not None:
+                state.version += 1
+            self._cond.notify_all()
+        if self.on_health_change is not None:
+            self.on_health_change()
+        return True
+
     def set_unmonitored(self, gpu_uuid: str, gpu_index: int, reason: str | None) -> bool:
         """Record that a GPU cannot be watched (reason) or can be again (None); True if that changed.
 
@@ -477,9 +520,10 @@ class DeviceRegistry:
         with self._cond:
             return dict(self._unhealthy)
 
-    def health_of(self, device: PluginDevice) -> DeviceHealth:
+    def health_of(self, device: PluginDevice, resource: str | None = None) -> DeviceHealth:
+        """The device's health; with `resource`, as a device of that resource (its down mark counts)."""
         with self._cond:
-            return self._health(device)
+            return self._health(device, resource)
 
     def snapshot(self, name: str) -> tuple[int, tuple[DeviceHealth, ...]]:
         """The resource's version and every device with its health (empty if the resource is gone)."""
@@ -487,7 +531,7 @@ class DeviceRegistry:
             state = self._states.get(name)
             if state is None:
                 return -1, ()
-            return state.version, tuple(self._health(d) for d in state.resource.devices)
+            return state.version, tuple(self._health(d, name) for d in state.resource.devices)
 
     def wait_for_change(self, name: str, seen: int, stop: Callable[[], bool] | None = None) -> bool:
         """Block until the resource's version differs from `seen`; False once closed or `stop()` is true.
@@ -504,11 +548,13 @@ class DeviceRegistry:
                     return True
                 self._cond.wait()
 
-    def _health(self, device: PluginDevice) -> DeviceHealth:
+    def _health(self, device: PluginDevice, resource: str | None = None) -> DeviceHealth:
         unit = device.unit
         reason = self._unhealthy.get(Unit(unit.gpu_index))
         if reason is None and unit.instance is not None:
             reason = self._unhealthy.get(unit)
+        if reason is None and resource is not None:
+            reason = self._down.get(resource)
         return DeviceHealth(device, reason is None, reason)
 
 

@@ -37,6 +37,7 @@ from gpunode.plugin.devices import DeviceHealth, DeviceRegistry, Resource, Shari
 from gpunode.plugin.health import HealthMonitor
 from gpunode.plugin.logsafe import shown
 from gpunode.plugin.migwatch import MigWatcher
+from gpunode.plugin.mps import MpsSupervisor, daemon_specs, find_control_program
 from gpunode.plugin.observe import PluginObserver, start_observer
 from gpunode.plugin.preferred import Topology
 from gpunode.plugin.server import ResourceServer, ServeSettings, device_message
@@ -80,11 +81,13 @@ def check_message_sizes(resources: tuple[Resource, ...]) -> None:
 
 
 def _warn_unused_sharing(config: PluginConfig, resources: tuple[Resource, ...]) -> None:
-    """A time-slicing entry for a resource this node does not serve (a MIG profile it lacks, a typo) shares
+    """A sharing entry for a resource this node does not serve (a MIG profile it lacks, a typo) shares
     nothing; NVIDIA's plugin says nothing, gpunode says so once per (re)load."""
     domain = config.resource_name.split("/", 1)[0]
     served = {r.name for r in resources}
-    for entry in config.shared_resources:
+    entries = [("time-slicing.resources", e) for e in config.shared_resources]
+    entries += [("mps.resources", e) for e in config.mps_resources]
+    for key, entry in entries:
         name = entry.name if "/" in entry.name else f"{domain}/{entry.name}"
         renamed = entry.rename if "/" in entry.rename else f"{domain}/{entry.rename}"
         if (
@@ -93,11 +96,19 @@ def _warn_unused_sharing(config: PluginConfig, resources: tuple[Resource, ...]) 
             and (not entry.rename or renamed not in served)
         ):
             log.warning(
-                "time-slicing.resources: %s is not a resource of this node (it serves %s); that entry shares "
-                "nothing",
+                "%s: %s is not a resource of this node (it serves %s); that entry shares nothing",
+                key,
                 name,
                 ", ".join(sorted(served)) or "none",
             )
+
+
+def _sharing(config: PluginConfig) -> Sharing:
+    """How replicas share a GPU: MPS when mps.resources shares anything (config refuses a mix with
+    time-slicing), else time-slicing."""
+    if any(e.replicas > 1 for e in config.mps_resources):
+        return Sharing(1, config.rename_by_default, config.mps_resources, strategy="mps")
+    return Sharing(config.replicas, config.rename_by_default, config.shared_resources)
 
 
 class ServeFailed(GpunodeError):
@@ -189,6 +200,7 @@ class Plugin:
         self._nodes = DeviceNodes()
         self._inventory: Inventory | None = None
         self._health: HealthMonitor | None = None
+        self._mps: MpsSupervisor | None = None  # MPS control daemons, once a resource shares through MPS
         self._mig_watch: MigWatcher | None = None  # MIG geometry changes, seen without a SIGHUP
         self._watch: DirectoryWatch | None = None
         self._discovery_timer: threading.Timer | None = None
@@ -299,6 +311,8 @@ class Plugin:
             self._watch.stop()
         if self._health is not None:
             self._health.stop()
+        if self._mps is not None:
+            self._mps.stop()
         if self._mig_watch is not None:
             self._mig_watch.stop()
         self._release_dir_lock()
@@ -325,7 +339,7 @@ class Plugin:
             resource_name=config.resource_name,
             mig_strategy=config.mig_strategy,
             device_id_strategy=config.device_id_strategy,
-            sharing=Sharing(config.replicas, config.rename_by_default, config.shared_resources),
+            sharing=_sharing(config),
             gpu_names=config.gpu_resources,
             mig_names=config.mig_resources,
         )
@@ -357,6 +371,8 @@ class Plugin:
             self._schedule_discovery()
         else:
             self._discovery_delay = 1.0
+        if not self.simulated:
+            self._apply_mps(resources, inventory)
         self.registry.replace(resources)
         for gpu in inventory.gpus:
             if gpu.lost:
@@ -453,6 +469,33 @@ class Plugin:
             )
         names = tuple(f"{IMEX_CDI_KIND}={c}" for c in nodes.imex_channels if c not in missing)
         return dataclasses.replace(nodes, imex_cdi=names)
+
+    def _apply_mps(self, resources: tuple[Resource, ...], inventory: Inventory) -> None:
+        """Want a control daemon for each MPS-shared resource (the supervisor starts, adopts or stops them);
+        a resource whose daemon is not answering yet is served all-unhealthy until it does."""
+        config = self.config
+        specs = daemon_specs(
+            resources,
+            inventory,
+            root=config.mps_root,
+            active_thread_percentage=config.mps_active_thread_percentage,
+            pinned_memory_limit_mib=config.mps_pinned_memory_limit,
+        )
+        if self._mps is not None and self._mps.root != config.mps_root:
+            self._mps.apply(())  # the old root's daemons are not wanted any more
+            self._mps.stop()
+            self._mps = None
+        if self._mps is None:
+            if not specs:
+                return
+            driver_root = config.driver_root
+            self._mps = MpsSupervisor(
+                self.host,
+                config.mps_root,
+                self.registry.set_resource_down,
+                find_program=lambda: find_control_program(self.host, driver_root),
+            )
+        self._mps.apply(specs)
 
     def _restart_health(self, inventory: Inventory) -> None:
         if self._health is not None:
@@ -559,6 +602,7 @@ class Plugin:
                     if on
                 },
                 annotation_prefix=c.cdi_annotation_prefix,
+                mps=self._mps.mounts() if self._mps is not None else {},
             ),
         )
 

@@ -10,7 +10,8 @@ Where gpunode differs from NVIDIA's reader, on purpose:
   such as `replica:` quietly turned sharing off);
 - `resources.gpus`/`resources.mig` and the `rename`/`devices` of a sharing entry, which NVIDIA's plugin
   parses and then disables with a warning (DisableResourceNamingInConfig), work as their names say;
-- MPS sharing is parsed and checked, then refused: gpunode does not run MPS control daemons yet.
+- MPS sharing runs the control daemons itself (gpunode.plugin.mps), one per shared resource, where
+  NVIDIA's plugin needs a second DaemonSet for them.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ VERSION = "v1"
 
 # Each level's keys: a nested dict is a table; a string names the gpunode option it becomes, "" : no option
 # (the note in NOTES says why). "[]" marks a list of tables whose keys follow.
-_REPLICATED = {"renameByDefault": "", "failRequestsGreaterThanOne": "", "resources": ""}
 _SCHEMA: dict[str, Any] = {
     "version": "",
     "flags": {
@@ -33,7 +33,7 @@ _SCHEMA: dict[str, Any] = {
         "failOnInitError": "fail_on_init_error",
         "nvidiaDriverRoot": "driver_root",
         "nvidiaDevRoot": "dev_root",
-        "mpsRoot": "",
+        "mpsRoot": "mps_root",
         "gdsEnabled": "gds_enabled",
         "mofedEnabled": "mofed_enabled",
         "gdrcopyEnabled": "gdrcopy_enabled",
@@ -52,7 +52,11 @@ _SCHEMA: dict[str, Any] = {
             "failRequestsGreaterThanOne": "fail_requests_greater_than_one",
             "resources": "shared_resources",
         },
-        "mps": _REPLICATED,
+        "mps": {
+            "renameByDefault": "rename_by_default",
+            "failRequestsGreaterThanOne": "fail_requests_greater_than_one",
+            "resources": "mps_resources",
+        },
     },
     "resources": {"gpus": "gpu_resources", "mig": "mig_resources"},
     "imex": {"channelIDs": "imex_channel_ids", "required": "imex_required"},
@@ -65,12 +69,10 @@ _ENTRY_KEYS = {
 }
 NOTES = {
     "version": "the format's version; gpunode reads v1",
-    "flags.mpsRoot": "MPS only; gpunode refuses MPS sharing for now, so nothing uses it",
     "flags.plugin.containerDriverRoot": (
         "where NVIDIA's containerised plugin sees the driver root; gpunode runs on the host and reads the "
         "driver at driver-root (nvidiaDriverRoot)"
     ),
-    "sharing.mps": "no MPS sharing configured (no resource with more than 1 replica): nothing to do",
 }
 # NVIDIA's allocation policy names -> gpunode's placement.
 _POLICIES = {"distributed": "spread", "packed": "packed"}
@@ -147,7 +149,7 @@ def translate(text: str, path: str) -> list[Setting]:
             f"{path}: unknown version {version!r} of NVIDIA's device-plugin config",
             f"gpunode reads version {VERSION}",
         )
-    _check_mps(data, settings, path)
+    _check_one_sharing(data, path)
     return settings
 
 
@@ -176,8 +178,6 @@ def _walk(
         if isinstance(target, dict):
             if value is None:  # `sharing:` with nothing under it, as YAML allows
                 continue
-            if dotted == "sharing.mps":  # where _check_mps points when it refuses the section
-                out.append(Setting(dotted, line, None, None, "MPS"))
             _walk(value_node, value, target, f"{dotted}.", path=path, out=out)
             continue
         if dotted in _ENTRY_KEYS:
@@ -193,8 +193,8 @@ def _walk(
             isinstance(value, str) and (value == "" or value.startswith("/"))
         ):
             raise ConfigError(f"{path}, line {line}: {dotted}: {value!r} is not an absolute path")
-        if dotted.startswith("sharing.mps."):
-            out.append(Setting(dotted, line, None, value, "MPS"))
+        if dotted == "flags.mpsRoot" and value == "":
+            out.append(Setting(dotted, line, None, value, "empty: gpunode's default, /run/nvidia/mps"))
             continue
         out.append(Setting(dotted, line, target or None, value, NOTES.get(dotted, "")))
 
@@ -222,23 +222,18 @@ def _check_entries(node: Any, value: Any, key: str, path: str) -> None:
                 )
 
 
-def _check_mps(data: Mapping[str, Any], settings: list[Setting], path: str) -> None:
-    """NVIDIA's plugin shares with MPS as soon as an MPS resource has more than one replica
-    (api/config/v1/sharing.go, SharingStrategy; MPS wins over time-slicing). gpunode checks the section
-    with time-slicing's rules, then refuses it: without the control daemons nothing would isolate clients."""
-    mps = (data.get("sharing") or {}).get("mps")
-    if mps is None:
-        return
-    from gpunode.plugin.config import _shared_resources
-
-    line = next((s.line for s in settings if s.key == "sharing.mps"), 0)
-    entries = _shared_resources(mps.get("resources") or [], f"sharing.mps.resources ({path}, line {line})")
-    if any(e.replicas > 1 for e in entries):
+def _check_one_sharing(data: Mapping[str, Any], path: str) -> None:
+    """rename_by_default and fail_requests_greater_than_one are one option each for whichever sharing is on;
+    a file setting them in both sections would have the later one win unseen. (Both sections sharing
+    something is refused with the options, by config._check_combination.)"""
+    sharing = data.get("sharing") or {}
+    both = [
+        key
+        for key in ("renameByDefault", "failRequestsGreaterThanOne")
+        if key in (sharing.get("timeSlicing") or {}) and key in (sharing.get("mps") or {})
+    ]
+    if both:
         raise ConfigError(
-            f"{path}, line {line}: sharing.mps: MPS sharing is not supported by gpunode yet (it does not "
-            "start MPS control daemons)",
-            "share with sharing.timeSlicing instead (the same resources and replicas, without MPS's memory "
-            "and compute limits), or keep NVIDIA's plugin on the nodes that need MPS",
+            f"{path}: sharing.timeSlicing and sharing.mps both set {', '.join(both)}",
+            "keep one sharing section: a node shares its GPUs one way",
         )
-    settings[:] = [s for s in settings if not s.key.startswith("sharing.mps")]
-    settings.append(Setting("sharing.mps", line, None, None, NOTES["sharing.mps"]))

@@ -245,7 +245,12 @@ class DevicePluginService(deviceplugin_pb2_grpc.DevicePluginServicer):
             raise AssertionError("abort raises")  # for the type checker: context.abort never returns
         containers = [list(c.devices_ids) for c in request.container_requests]
         try:
-            answers = allocate(resource, containers, self.registry.health_of, self.current[1].allocate)
+            answers = allocate(
+                resource,
+                containers,
+                lambda device: self.registry.health_of(device, self.resource_name),
+                self.current[1].allocate,
+            )
         except Refused as refused:
             # Bounded and escaped: the request is the caller's text, of any size (logsafe).
             self._refusals.warning(

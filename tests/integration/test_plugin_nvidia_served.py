@@ -127,10 +127,27 @@ def test_a_missing_imex_channel_is_skipped_unless_required(kubelet: FakeKubelet,
         assert "imex.required is set" in plugin.log()
 
 
+def test_mps_example_runs_a_control_daemon(kubelet: FakeKubelet, socket_dir: Path) -> None:
+    from tests import fakemps
+
+    bin_dir, root = socket_dir.parent / "bin", socket_dir.parent / "mps"
+    fakemps.install(bin_dir)
+    try:
+        args = [*config("mps.yaml"), "--mps-root", str(root)]
+        with PluginProcess(socket_dir, args, profile="pcie-4", env=fakemps.env(bin_dir)):
+            devices = kubelet.wait_for_devices(
+                GPU, lambda d: len(d) == 40 and all(x.health == HEALTHY for x in d), timeout=60
+            )
+            [container] = kubelet.allocate(GPU, [[devices[0].id]]).container_responses
+            assert container.envs["CUDA_MPS_PIPE_DIRECTORY"] == "/mps/nvidia.com/gpu/pipe"
+            assert len(fakemps.daemon_pids(root)) == 1
+    finally:
+        fakemps.kill_all(root)
+
+
 @pytest.mark.parametrize(
     ("name", "message"),
     [
-        ("mps.yaml", "line 3: sharing.mps: MPS sharing is not supported by gpunode yet"),
         ("unknown-key.yaml", "line 6: unknown key sharing.timeSlicing.resources[0].replica "),
     ],
 )

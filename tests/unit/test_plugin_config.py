@@ -60,6 +60,12 @@ ignored-xids = [13, 31]
 critical-xids = [43]
 recovery-quiet-period = 5
 
+[mps]  # MPS instead of time-slicing: a control daemon per shared resource (none shared here)
+resources = []
+root = "/run/gpunode/mps"
+active-thread-percentage = 30
+pinned-memory-limit = "8G"
+
 [metrics]
 address = "127.0.0.1:9402"
 
@@ -111,6 +117,8 @@ def test_every_option_from_the_file(tmp_path: Path) -> None:
     assert (config.dev_root, config.cdi_annotation_prefix) == ("/run/nvidia/dev", "cdi.example.com/")
     assert config.gds_enabled and config.mofed_enabled and config.gdrcopy_enabled
     assert (config.imex_channel_ids, config.imex_required) == ((0,), True)
+    assert (config.mps_resources, config.mps_root) == ((), "/run/gpunode/mps")
+    assert (config.mps_active_thread_percentage, config.mps_pinned_memory_limit) == (30, 8192)
     assert config.health.ignored_xids == {13, 31}
     assert config.health.critical_xids == {43}
     assert config.health.recovery_quiet_period == 5.0

@@ -24,14 +24,13 @@ from gpunode.plugin.devices import (
     build_resources,
 )
 from gpunode.plugin.import_config import render
+from gpunode.plugin.lifecycle import _sharing
 from gpunode.plugin.simulate import simulated_inventory
 from tests import tomlread as tomllib
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "nvidia-plugin"
 LOADABLE = sorted(
-    p.name
-    for p in FIXTURES.iterdir()
-    if p.suffix in (".yaml", ".json") and p.stem not in ("mps", "unknown-key")
+    p.name for p in FIXTURES.iterdir() if p.suffix in (".yaml", ".json") and p.stem != "unknown-key"
 )
 
 
@@ -59,7 +58,7 @@ def served(config: PluginConfig, profile: str) -> dict[str, tuple[int, int]]:
         resource_name=config.resource_name,
         mig_strategy=config.mig_strategy,
         device_id_strategy=config.device_id_strategy,
-        sharing=Sharing(config.replicas, config.rename_by_default, config.shared_resources),
+        sharing=_sharing(config),
         gpu_names=config.gpu_resources,
         mig_names=config.mig_resources,
     )
@@ -155,16 +154,63 @@ def test_extras_reach_allocate(tmp_path: Path) -> None:
 # -- what gpunode refuses, and how it says so -----------------------------------------------------------
 
 
-def test_mps_is_parsed_and_refused_clearly(tmp_path: Path) -> None:
+def test_mps_shares_through_a_control_daemon_per_resource(tmp_path: Path) -> None:
+    config = load(tmp_path, "mps.yaml")
+    assert config.mps_resources == (SharedResource("nvidia.com/gpu", 10),)
+    assert config.origins["mps_resources"] == "file /mps.yaml (sharing.mps.resources)"
+    assert served(config, "pcie-4") == {"nvidia.com/gpu": (40, 10)}
+    [resource] = build_resources(simulated_inventory("pcie-4"), sharing=_sharing(config))
+    assert resource.sharing == "mps"
+
+
+def test_mps_flags_and_sharing_keys(tmp_path: Path) -> None:
+    host, path = nvidia(
+        tmp_path,
+        "version: v1\nflags:\n  mpsRoot: /run/mps\nsharing:\n  mps:\n    renameByDefault: true\n"
+        "    failRequestsGreaterThanOne: true\n    resources:\n    - name: gpu\n      replicas: 2\n",
+    )
+    config = load_config(host, config_path=path, env={})
+    assert (config.mps_root, config.rename_by_default, config.fail_requests_greater_than_one) == (
+        "/run/mps",
+        True,
+        True,
+    )
+    assert served(config, "pcie-4") == {"nvidia.com/gpu.shared": (8, 2)}
+    host, path = nvidia(tmp_path, "version: v1\nflags:\n  mpsRoot: ''\n")
+    assert load_config(host, config_path=path, env={}).mps_root == "/run/nvidia/mps"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - {name: gpu, replicas: 2}\n"
+            "  mps:\n    resources:\n    - {name: gpu, replicas: 2}\n",
+            "mps.resources and time-slicing",
+        ),
+        (
+            "version: v1\nsharing:\n  timeSlicing:\n    renameByDefault: true\n"
+            "  mps:\n    renameByDefault: false\n",
+            "sharing.timeSlicing and sharing.mps both set renameByDefault",
+        ),
+        (
+            "version: v1\nflags:\n  migStrategy: mixed\nsharing:\n  mps:\n    resources:\n"
+            "    - {name: gpu, replicas: 2}\n",
+            "MPS shares whole GPUs only",
+        ),
+    ],
+)
+def test_mps_combinations_gpunode_refuses(tmp_path: Path, text: str, message: str) -> None:
+    host, path = nvidia(tmp_path, text)
     with pytest.raises(ConfigError) as err:
-        load(tmp_path, "mps.yaml")
-    assert "sharing.mps: MPS sharing is not supported by gpunode yet" in err.value.message
-    assert "line 3" in err.value.message and "sharing.timeSlicing" in (err.value.fix or "")
+        load_config(host, config_path=path, env={})
+    assert message in err.value.message
 
 
 def test_an_mps_section_that_shares_nothing_is_accepted(tmp_path: Path) -> None:
     host, path = nvidia(tmp_path, MPS_ONE)
-    assert load_config(host, config_path=path, env={}) == PluginConfig()
+    config = load_config(host, config_path=path, env={})
+    assert served(config, "pcie-4") == {"nvidia.com/gpu": (4, 1)}
 
 
 def test_mps_entries_are_checked_like_time_slicing_ones(tmp_path: Path) -> None:
@@ -359,7 +405,10 @@ def test_import_config_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert main(["plugin", "import-config", "/gpunode.toml"], host=host) == ExitCode.CONFIG
     assert "is not NVIDIA's device-plugin config" in capsys.readouterr().err
     host, path = fixture(tmp_path, "mps.yaml")
-    assert main(["plugin", "import-config", path], host=host) == ExitCode.CONFIG
+    assert main(["plugin", "import-config", path], host=host) == 0
+    assert tomllib.loads(capsys.readouterr().out)["mps"]["resources"] == [
+        {"name": "nvidia.com/gpu", "replicas": 10}
+    ]
 
 
 def test_install_turns_the_nvidia_file_into_gpunode_toml(tmp_path: Path) -> None:
@@ -381,6 +430,8 @@ def test_advertise_reads_sharing_from_an_installed_nvidia_file(tmp_path: Path) -
     assert plugin_sharing(Host(root=tmp_path, env={})) == LabelSharing(replicas=10, rename_by_default=True)
     target.write_text((FIXTURES / "time-slicing-devices.json").read_text())
     assert plugin_sharing(Host(root=tmp_path, env={})) == LabelSharing(replicas=4, rename_by_default=True)
+    target.write_text((FIXTURES / "mps.yaml").read_text())
+    assert plugin_sharing(Host(root=tmp_path, env={})) == LabelSharing(replicas=10, mps=True)
 
 
 def test_an_entry_for_a_resource_the_node_lacks_is_logged(

@@ -1,0 +1,563 @@
+"""MPS sharing: a CUDA MPS control daemon per MPS-shared resource, started, watched and stopped by the plugin.
+
+NVIDIA's plugin needs a second DaemonSet for the daemons and says ready before they are. Here:
+
+- `daemon_specs` says which daemons the served resources need: one per resource whose replicas share
+  through MPS, limited to that resource's GPUs (CUDA_VISIBLE_DEVICES), with the default active-thread
+  percentage and pinned device-memory limit per client derived from the replica count (100 / replicas,
+  the GPU's memory / replicas) unless the config sets them.
+- `MpsDaemon` runs one: `nvidia-cuda-mps-control -d` with its pipe, log and shm directories under
+  `<mps-root>/<resource>/`, in a mount namespace whose /dev/shm is that shm directory (mpslaunch), then
+  sets the defaults through the control program as MPS documents it.
+- `MpsSupervisor` keeps them so on a thread of its own: a daemon's exit is seen at once (a pidfd, no
+  polling), and a live one is asked a question every CHECK_INTERVAL (a hung one). While a daemon is not
+  answering, every device of its resource is unhealthy (`on_state(resource, reason)`); it is started again
+  with backoff, and its devices are healthy once it answers.
+
+The daemons live as long as the plugin: its stop ends them (under systemd its cgroup would anyway), so a
+plugin restart ends the MPS servers that running pods use; a reload (SIGHUP) keeps every daemon whose
+settings did not change. Daemons an earlier run left behind (that run was killed) are found by their
+record and control socket: adopted when started with the same settings, else replaced, and stopped when
+their resource is no longer shared through MPS.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import posixpath
+import select
+import signal
+import socket
+import struct
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass
+
+from gpunode.errors import CommandFailed, GpunodeError
+from gpunode.host import Host
+from gpunode.nvml.model import Inventory
+from gpunode.plugin.allocate import MpsMounts
+from gpunode.plugin.devices import Resource
+
+log = logging.getLogger("gpunode.plugin")
+
+CONTROL_PROGRAM = "nvidia-cuda-mps-control"
+CONTAINER_ROOT = "/mps"  # where pods see the pipe directories (NVIDIA's plugin uses the same)
+RECORD = ".gpunode-mps.json"  # in <root>/<resource>/: what the daemon there was started with
+CONTROL_SOCKET = "control"  # the daemon's socket in the pipe directory
+READY_TIMEOUT = 30.0  # a started daemon must answer on its socket within this
+COMMAND_TIMEOUT = 10.0
+STOP_TIMEOUT = 10.0
+RESTART_FIRST = 0.5
+RESTART_MAX = 30.0
+CHECK_INTERVAL = 30.0  # how often a live daemon is asked a question (a hung daemon answers nothing)
+MIB = 1024 * 1024
+
+
+class MpsError(GpunodeError):
+    """An MPS control daemon could not be started, configured or reached."""
+
+
+@dataclass(frozen=True)
+class DaemonSpec:
+    """One control daemon: its resource, directories, GPUs and the per-client defaults it sets."""
+
+    resource: str
+    root: str  # host path <mps-root>/<resource>
+    gpu_uuids: tuple[str, ...]  # CUDA_VISIBLE_DEVICES, in this order: device ordinals 0..n-1
+    replicas: int
+    active_thread_percentage: int
+    pinned_limits_mib: tuple[int, ...]  # per GPU, by ordinal; 0: no limit (the GPU's memory unknown)
+
+    @property
+    def pipe_dir(self) -> str:
+        return posixpath.join(self.root, "pipe")
+
+    @property
+    def log_dir(self) -> str:
+        return posixpath.join(self.root, "log")
+
+    @property
+    def shm_dir(self) -> str:
+        return posixpath.join(self.root, "shm")
+
+    def mounts(self) -> MpsMounts:
+        return MpsMounts(
+            pipe_dir=self.pipe_dir,
+            shm_dir=self.shm_dir,
+            container_pipe_dir=posixpath.join(CONTAINER_ROOT, self.resource, "pipe"),
+        )
+
+    def record(self) -> dict[str, object]:
+        data = asdict(self)
+        data["gpu_uuids"] = list(self.gpu_uuids)
+        data["pinned_limits_mib"] = list(self.pinned_limits_mib)
+        return data
+
+    def commands(self) -> list[str]:
+        """The control commands that set this daemon's per-client defaults (MPS's own syntax)."""
+        out = [f"set_default_active_thread_percentage {self.active_thread_percentage}"]
+        out += [
+            f"set_default_device_pinned_mem_limit {ordinal} {limit}M"
+            for ordinal, limit in enumerate(self.pinned_limits_mib)
+            if limit > 0
+        ]
+        return out
+
+
+def daemon_specs(
+    resources: Iterable[Resource],
+    inventory: Inventory,
+    *,
+    root: str,
+    active_thread_percentage: int = 0,
+    pinned_memory_limit_mib: int = 0,
+) -> tuple[DaemonSpec, ...]:
+    """A daemon for each resource whose replicas share through MPS."""
+    memory = {g.uuid: g.memory_total for g in inventory.gpus if g.uuid}
+    specs = []
+    for resource in resources:
+        # Only the replicas: GPUs an entry's `devices` does not select stay in the resource unshared.
+        uuids = tuple(dict.fromkeys(d.gpu_uuid for d in resource.devices if d.replica is not None))
+        if resource.sharing != "mps" or not uuids:
+            continue
+        replicas = max(resource.replicas, 1)
+        percentage = active_thread_percentage or max(1, 100 // replicas)
+        limits = tuple(pinned_memory_limit_mib or ((memory.get(u) or 0) // replicas // MIB) for u in uuids)
+        specs.append(
+            DaemonSpec(
+                resource.name,
+                posixpath.join(root, resource.name),
+                uuids,
+                replicas,
+                percentage,
+                limits,
+            )
+        )
+    return tuple(specs)
+
+
+def find_control_program(host: Host, driver_root: str) -> str | None:
+    """nvidia-cuda-mps-control: on PATH (the driver installs it in /usr/bin), else under the driver root."""
+    found = host.which(CONTROL_PROGRAM)
+    if found is not None:
+        return str(host.path(found))
+    if driver_root != "/":
+        candidate = posixpath.join(driver_root, "usr/bin", CONTROL_PROGRAM)
+        if host.is_file(candidate):
+            return str(host.path(candidate))
+    return None
+
+
+def _peer_pid(path: str) -> int | None:
+    """The PID of the process listening on a unix socket (SO_PEERCRED), or None if nothing answers there."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(2.0)
+        try:
+            sock.connect(path)
+        except OSError:
+            return None
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, _, _ = struct.unpack("3i", creds)
+    return pid if pid > 0 else None
+
+
+class MpsDaemon:
+    """One control daemon, by its spec; `pid` once it runs (started here, or found running)."""
+
+    def __init__(self, host: Host, spec: DaemonSpec, program: str) -> None:
+        self.host = host
+        self.spec = spec
+        self.program = program
+        self.pid: int | None = None
+
+    def env(self) -> dict[str, str]:
+        # Host paths: the daemon and the control program run on the host.
+        return {
+            "CUDA_MPS_PIPE_DIRECTORY": str(self.host.path(self.spec.pipe_dir)),
+            "CUDA_MPS_LOG_DIRECTORY": str(self.host.path(self.spec.log_dir)),
+            "CUDA_VISIBLE_DEVICES": ",".join(self.spec.gpu_uuids),
+        }
+
+    @property
+    def socket_path(self) -> str:
+        return str(self.host.path(posixpath.join(self.spec.pipe_dir, CONTROL_SOCKET)))
+
+    def running_pid(self) -> int | None:
+        return _peer_pid(self.socket_path)
+
+    def recorded(self) -> dict[str, object] | None:
+        text = self.host.read_text_if_exists(posixpath.join(self.spec.root, RECORD))
+        try:
+            data = json.loads(text) if text else None
+        except ValueError:
+            return None
+        return data if isinstance(data, dict) else None
+
+    def adopt(self) -> bool:
+        """Take over a daemon already running with this spec (a plugin restart); False if there is none."""
+        pid = self.running_pid()
+        if pid is None or self.recorded() != self.spec.record():
+            return False
+        self.pid = pid
+        return True
+
+    def start(self) -> None:
+        """Start the daemon and set its defaults; MpsError naming what failed."""
+        spec = self.spec
+        for directory in (spec.pipe_dir, spec.log_dir):
+            self.host.make_dirs(directory, mode=0o755)
+        self.host.make_dirs(spec.shm_dir, mode=0o755)
+        # Any user's MPS client creates its segments there, as in /dev/shm (sticky: not each other's).
+        self.host.set_mode(spec.shm_dir, 0o1777)
+        output = posixpath.join(spec.log_dir, "gpunode-start.log")
+        argv = [
+            sys.executable,
+            "-m",
+            "gpunode.plugin.mpslaunch",
+            str(self.host.path(spec.shm_dir)),
+            str(self.host.path(output)),
+            self.program,
+            "-d",
+        ]
+        try:
+            result = self.host.run(argv, env=self.env(), timeout=COMMAND_TIMEOUT)
+        except CommandFailed as exc:
+            raise MpsError(f"{spec.resource}: cannot start the MPS control daemon: {exc.message}") from None
+        if not result.ok:
+            said = (result.stderr.strip() or (self.host.read_text_if_exists(output) or "").strip())[-500:]
+            raise MpsError(
+                f"{spec.resource}: `{self.program} -d` exited with status {result.returncode}"
+                + (f": {said}" if said else ""),
+                f"see {spec.log_dir}/control.log",
+            )
+        deadline = time.monotonic() + READY_TIMEOUT
+        while (pid := self.running_pid()) is None:
+            if time.monotonic() > deadline:
+                raise MpsError(
+                    f"{spec.resource}: the MPS control daemon did not answer on {self.socket_path} within "
+                    f"{READY_TIMEOUT:g} s",
+                    f"see {spec.log_dir}/control.log",
+                )
+            time.sleep(0.02)
+        self.pid = pid
+        for command in spec.commands():
+            self.command(command)
+        self.host.write_file(
+            posixpath.join(spec.root, RECORD), json.dumps(spec.record(), indent=2) + "\n", mode=0o644
+        )
+
+    def command(self, line: str) -> str:
+        """Send one command through the control program (as MPS documents: on its stdin); its answer."""
+        try:
+            result = self.host.run([self.program], env=self.env(), input=line + "\n", timeout=COMMAND_TIMEOUT)
+        except CommandFailed as exc:
+            raise MpsError(f"{self.spec.resource}: MPS control `{line}`: {exc.message}") from None
+        if not result.ok:
+            said = (result.stdout + result.stderr).strip()[-300:]
+            raise MpsError(
+                f"{self.spec.resource}: MPS control `{line}` failed (status {result.returncode})"
+                + (f": {said}" if said else "")
+            )
+        return result.stdout.strip()
+
+    def check(self) -> str | None:
+        """None if the daemon answers a question; else why not."""
+        try:
+            self.command("get_default_active_thread_percentage")
+        except MpsError as exc:
+            return exc.message
+        return None
+
+    def stop(self, *, asked: bool = False) -> None:
+        """Ask the daemon to quit (unless `asked` already); if it has not within STOP_TIMEOUT, end it by its
+        PID."""
+        pid = self.pid or self.running_pid()
+        if pid is None:
+            return
+        if not asked:
+            try:
+                self.command("quit")
+            except MpsError as exc:
+                log.warning("%s; ending the MPS control daemon (pid %d) by signal", exc.message, pid)
+        if not _wait_exit(pid, STOP_TIMEOUT):
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    break
+                if _wait_exit(pid, 2.0):
+                    break
+        self.pid = None
+        log.info("%s: MPS control daemon (pid %d) stopped", self.spec.resource, pid)
+
+
+def _wait_exit(pid: int, timeout: float) -> bool:
+    """True once the process has exited (a zombie counts: it no longer runs)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        return bool(poller.poll(timeout * 1000))
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class _Watched:
+    daemon: MpsDaemon
+    pidfd: int | None = None
+    down: str | None = "its MPS control daemon is starting"
+    retry_at: float = 0.0  # when to start it (again)
+    delay: float = RESTART_FIRST
+    next_check: float = 0.0
+
+
+class MpsSupervisor:
+    """Keeps the wanted daemons running; reports each resource's daemon state through `on_state`."""
+
+    def __init__(
+        self,
+        host: Host,
+        root: str,
+        on_state: Callable[[str, str | None], object],
+        *,
+        find_program: Callable[[], str | None],
+        check_interval: float = CHECK_INTERVAL,
+    ) -> None:
+        """`find_program` finds nvidia-cuda-mps-control; asked again while it is missing (installed later)."""
+        self.host = host
+        self.root = root
+        self.on_state = on_state
+        self.find_program = find_program
+        self.program = find_program()
+        self.check_interval = check_interval
+        self._wanted: dict[str, DaemonSpec] = {}
+        self._watched: dict[str, _Watched] = {}
+        self._lock = threading.Lock()
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._changed = True
+
+    def mounts(self) -> dict[str, MpsMounts]:
+        with self._lock:
+            return {name: spec.mounts() for name, spec in self._wanted.items()}
+
+    def apply(self, specs: Iterable[DaemonSpec]) -> None:
+        """Want exactly these daemons. Resources that get a new daemon are down until it answers."""
+        wanted = {s.resource: s for s in specs}
+        with self._lock:
+            for name in self._wanted:
+                if name not in wanted:
+                    self.on_state(name, None)  # no daemon of its own any more: nothing to be down for
+            for name, spec in wanted.items():
+                watched = self._watched.get(name)
+                if watched is None or watched.daemon.spec != spec:
+                    self.on_state(name, "its MPS control daemon is starting")
+            self._wanted = wanted
+            self._changed = True
+        if wanted and self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="gpunode-mps", daemon=True)
+            self._thread.start()
+        self._wake()
+
+    def stop(self) -> None:
+        """Stop watching, then stop every daemon: all are asked to quit first, so their waits overlap."""
+        self._stop.set()
+        self._wake()
+        if self._thread is not None:
+            self._thread.join(STOP_TIMEOUT + 5)
+            self._thread = None
+        quitting = []
+        for watched in self._watched.values():
+            _close(watched.pidfd)
+            daemon = watched.daemon
+            if daemon.pid is not None:
+                try:
+                    daemon.command("quit")
+                    quitting.append((daemon, True))
+                except MpsError as exc:
+                    log.warning("%s", exc.message)
+                    quitting.append((daemon, False))
+        for daemon, asked in quitting:
+            daemon.stop(asked=asked)  # gone already, normally; else ended by signal
+        self._watched.clear()
+        for fd in (self._wake_r, self._wake_w):
+            _close(fd)
+
+    def _wake(self) -> None:
+        # Full: a wake-up is pending anyway; closed: stopped.
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
+
+    # -- the thread ------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if self._changed:
+                    self._reconcile()
+                self._tick()
+                self._wait()
+            except Exception:  # a bug must not end the supervision for the plugin's lifetime
+                log.exception("MPS supervisor error; going on in 1 s")
+                self._stop.wait(1.0)
+
+    def _reconcile(self) -> None:
+        with self._lock:
+            wanted = dict(self._wanted)
+            self._changed = False
+        for name in [
+            n for n in self._watched if n not in wanted or self._watched[n].daemon.spec != wanted[n]
+        ]:
+            watched = self._watched.pop(name)
+            _close(watched.pidfd)
+            watched.daemon.stop()
+        for spec in self._stale_records(wanted):
+            if self.program is not None:
+                MpsDaemon(self.host, spec, self.program).stop()
+        for name, spec in wanted.items():
+            if name not in self._watched:
+                self._watched[name] = _Watched(MpsDaemon(self.host, spec, self.program or CONTROL_PROGRAM))
+
+    def _stale_records(self, wanted: Mapping[str, DaemonSpec]) -> list[DaemonSpec]:
+        """Daemons an earlier run left for resources this one does not share through MPS (by their record)."""
+        out = []
+        for spec in read_records(self.host, self.root):
+            if spec.resource not in wanted:
+                out.append(spec)
+        return out
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        for name, watched in self._watched.items():
+            if watched.pidfd is None and now >= watched.retry_at:
+                self._bring_up(name, watched)
+            elif watched.pidfd is not None and now >= watched.next_check:
+                problem = watched.daemon.check()
+                watched.next_check = now + self.check_interval
+                if problem is not None:
+                    log.error("%s: the MPS control daemon does not answer (%s); restarting it", name, problem)
+                    self._went_down(name, watched, f"its MPS control daemon does not answer ({problem})")
+                    watched.daemon.stop()
+                    watched.retry_at = time.monotonic()
+
+    def _bring_up(self, name: str, watched: _Watched) -> None:
+        daemon = watched.daemon
+        try:
+            if self.program is None:
+                self.program = self.find_program()
+            if self.program is None:
+                raise MpsError(
+                    f"{name}: {CONTROL_PROGRAM} is not installed (not on PATH, nor under the driver root)",
+                    "install the NVIDIA driver's utilities (they ship the MPS control program)",
+                )
+            daemon.program = self.program
+            adopted = daemon.adopt()
+            if not adopted:
+                if daemon.running_pid() is not None:
+                    daemon.stop()  # started with other settings (another config): replace it
+                daemon.start()
+            assert daemon.pid is not None  # noqa: S101 (adopt/start set it or raise)
+            watched.pidfd = os.pidfd_open(daemon.pid)
+        except (MpsError, OSError, GpunodeError) as exc:
+            message = exc.message if isinstance(exc, GpunodeError) else str(exc)
+            fix = f" (fix: {exc.fix})" if isinstance(exc, GpunodeError) and exc.fix else ""
+            log.error("%s; trying again in %.1fs%s", message, watched.delay, fix)
+            self._went_down(name, watched, f"its MPS control daemon is not running ({message})")
+            watched.retry_at = time.monotonic() + watched.delay
+            watched.delay = min(watched.delay * 2, RESTART_MAX)
+            return
+        log.info(
+            "%s: MPS control daemon %s (pid %d) for %d GPU(s), %d%% active threads and %s per client",
+            name,
+            "adopted" if adopted else "started",
+            daemon.pid,
+            len(daemon.spec.gpu_uuids),
+            daemon.spec.active_thread_percentage,
+            ", ".join(f"{m} MiB" if m else "no memory limit" for m in daemon.spec.pinned_limits_mib),
+        )
+        watched.delay = RESTART_FIRST
+        watched.next_check = time.monotonic() + self.check_interval
+        if watched.down is not None:
+            watched.down = None
+            self.on_state(name, None)
+
+    def _went_down(self, name: str, watched: _Watched, reason: str) -> None:
+        _close(watched.pidfd)
+        watched.pidfd = None
+        if watched.down != reason:
+            watched.down = reason
+            self.on_state(name, reason)
+
+    def _wait(self) -> None:
+        now = time.monotonic()
+        due = [w.retry_at for w in self._watched.values() if w.pidfd is None]
+        due += [w.next_check for w in self._watched.values() if w.pidfd is not None]
+        timeout = max(0.0, min(due) - now) if due else None
+        poller = select.poll()
+        poller.register(self._wake_r, select.POLLIN)
+        by_fd = {}
+        for name, watched in self._watched.items():
+            if watched.pidfd is not None:
+                poller.register(watched.pidfd, select.POLLIN)
+                by_fd[watched.pidfd] = name
+        events = poller.poll(None if timeout is None else timeout * 1000)
+        for fd, _ in events:
+            if fd == self._wake_r:
+                with contextlib.suppress(BlockingIOError):
+                    while os.read(self._wake_r, 64):
+                        pass
+                continue
+            name = by_fd[fd]
+            watched = self._watched[name]
+            pid = watched.daemon.pid
+            log.error("%s: the MPS control daemon (pid %s) exited; starting it again", name, pid)
+            watched.daemon.pid = None
+            self._went_down(name, watched, "its MPS control daemon exited")
+            watched.retry_at = time.monotonic()
+
+
+def _close(fd: int | None) -> None:
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+def read_records(host: Host, root: str) -> list[DaemonSpec]:
+    """The daemons gpunode started under the MPS root (their records): <root>/<domain>/<name>/RECORD."""
+    out: list[DaemonSpec] = []
+    if not host.is_dir(root):
+        return out
+    for domain in sorted(host.listdir(root)):
+        domain_dir = posixpath.join(root, domain)
+        if not host.is_dir(domain_dir):
+            continue
+        for name in sorted(host.listdir(domain_dir)):
+            text = host.read_text_if_exists(posixpath.join(domain_dir, name, RECORD))
+            try:
+                data = json.loads(text) if text else None
+                if not isinstance(data, dict):
+                    continue
+                spec = DaemonSpec(
+                    str(data["resource"]),
+                    str(data["root"]),
+                    tuple(str(u) for u in data["gpu_uuids"]),
+                    int(data["replicas"]),
+                    int(data["active_thread_percentage"]),
+                    tuple(int(m) for m in data["pinned_limits_mib"]),
+                )
+            except (ValueError, TypeError, KeyError):
+                continue
+            if spec.root == posixpath.join(root, domain, name):  # a record copied elsewhere is not ours
+                out.append(spec)
+    return out
