@@ -651,6 +651,8 @@ def _print_state(current: Any) -> None:
         click.echo(
             f"  {resource.get('name')}: {resource.get('healthy')}/{resource.get('devices')} healthy, "
             f"{state_text} ({resource.get('socket')})"
+            + (f"; shared by {resource['sharing']}" if resource.get("sharing") not in (None, "none") else "")
+            + (f"; all unhealthy: {resource['down']}" if resource.get("down") else "")
         )
     # Schedulable, but their faults go unseen: "cannot monitor" is not "unhealthy".
     for gpu in plugin.get("unmonitored") or []:

@@ -485,6 +485,11 @@ class DeviceRegistry:
             self.on_health_change()
         return True
 
+    def down_reason(self, name: str) -> str | None:
+        """Why every device of the resource is unhealthy (set_resource_down), or None."""
+        with self._cond:
+            return self._down.get(name)
+
     def unmonitored(self) -> dict[str, tuple[int, str]]:
         """GPU UUID → (index, why it is not watched)."""
         with self._cond:

@@ -124,6 +124,8 @@ class ResourceStatus:
     registered: bool = False
     refused: str | None = None  # kubelet's reason, when it refused the registration
     unmonitored: int = 0  # devices on GPUs the health monitor cannot watch (healthy all the same)
+    sharing: str = "none"  # none, time-slicing or mps
+    down: str | None = None  # why every device is unhealthy (its MPS control daemon is not answering)
 
 
 @dataclass(frozen=True)
@@ -151,6 +153,7 @@ class PluginStatus:
             return f"waiting for {self.waiting_for}"
         parts = [
             f"{r.name}: {r.healthy}/{r.devices} healthy, "
+            + (f"all unhealthy: {r.down}, " if r.down else "")
             + (f"{r.unmonitored} unmonitored, " if r.unmonitored else "")
             + ("registered" if r.registered else f"refused ({r.refused})" if r.refused else "registering")
             for r in self.resources
@@ -770,6 +773,8 @@ class Plugin:
                     and not served.refused,
                     refused=served.refused if served else None,
                     unmonitored=sum(1 for s in states if s.device.gpu_uuid in unmonitored),
+                    sharing=resource.sharing,
+                    down=self.registry.down_reason(resource.name),
                 )
             )
         if waiting_for and waiting_for != self.status.waiting_for:

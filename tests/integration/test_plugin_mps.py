@@ -9,6 +9,7 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -70,6 +71,14 @@ def control(base: Path, *commands: str) -> list[str]:
     return out
 
 
+def status_of(proc: PluginProcess) -> dict[str, Any]:
+    try:
+        document: dict[str, Any] = json.loads(proc.status_path.read_text())
+    except (FileNotFoundError, ValueError):  # not written yet, or read while it was replaced
+        return {}
+    return document
+
+
 def daemon_pid(base: Path) -> int:
     [pid] = fakemps.daemon_pids(base / "mps").values()
     return pid
@@ -127,6 +136,13 @@ def test_a_missing_control_program_keeps_the_replicas_unhealthy(kubelet: FakeKub
         kubelet.wait_registered(GPU, timeout=60)
         kubelet.wait_for_devices(GPU, all_health(UNHEALTHY, 16), timeout=60)
         proc.wait_for_log("nvidia-cuda-mps-control is not installed")
+        # `plugin status` says why: the status file names the reason per resource.
+        deadline = time.monotonic() + 30
+        while "not installed" not in str(status_of(proc).get("resources")):
+            assert time.monotonic() < deadline, status_of(proc)
+            time.sleep(0.05)
+        [status] = status_of(proc)["resources"]
+        assert status["sharing"] == "mps" and status["healthy"] == 0
         # Installed later: found on the next try, and the replicas turn healthy.
         fakemps.install(base / "bin")
         kubelet.wait_for_devices(GPU, all_health(HEALTHY, 16), timeout=90)
