@@ -23,6 +23,7 @@ def check_plugin(ctx: Context) -> Iterable[Finding]:
     if state == "active" and ours:
         yield Finding("plugin", Status.OK, f"gpunode device plugin running ({ours})")
         yield from _unmonitored_gpus(host)
+        yield from _down_resources(host)
     elif state == "active":
         yield Finding(
             "plugin",
@@ -51,6 +52,19 @@ def check_plugin(ctx: Context) -> Iterable[Finding]:
             fix="install gpunode's device plugin as a service: `sudo gpunode plugin install`, or deploy "
             "NVIDIA's k8s-device-plugin DaemonSet",
         )
+    if (
+        ours
+        and nvidia
+        and any(s.endswith(f"/{paths.PLUGIN_SOCKET_PREFIX}nvidia.com-gpu.sock") for s in sockets)
+    ):
+        yield Finding(
+            "plugin.duplicate",
+            Status.FAIL,
+            f"NVIDIA's device plugin serves nvidia.com/gpu too ({paths.NVIDIA_PLUGIN_SOCKET}): kubelet keeps "
+            "whichever registered last, and the two take turns after every restart",
+            fix="remove NVIDIA's DaemonSet (`kubectl -n kube-system get ds | grep nvidia-device-plugin`, "
+            "then `kubectl delete ds`), or give gpunode another resource-name",
+        )
 
 
 def _unmonitored_gpus(host: Host) -> Iterable[Finding]:
@@ -75,6 +89,30 @@ def _unmonitored_gpus(host: Host) -> Iterable[Finding]:
         detail="\n".join(lines),
         fix=f"`journalctl -u {paths.PLUGIN_SERVICE}` says why; usually a driver too old for NVML events or "
         "the plugin running without root: update the driver, run the plugin as root",
+    )
+
+
+def _down_resources(host: Host) -> Iterable[Finding]:
+    """Resources the running plugin serves all-unhealthy for a reason of their own (an MPS control daemon
+    that is down), from its status file: kubelet schedules nothing on them."""
+    import json
+
+    try:
+        document = json.loads(host.read_text_if_exists(paths.PLUGIN_STATUS_FILE) or "{}")
+    except (GpunodeError, ValueError):
+        return
+    resources = document.get("resources") if isinstance(document, dict) else None
+    down = [r for r in resources or [] if isinstance(r, dict) and r.get("down")]
+    if not down:
+        return
+    yield Finding(
+        "plugin.sharing",
+        Status.FAIL,
+        f"{len(down)} resource(s) served with every device unhealthy: "
+        + "; ".join(f"{r.get('name')}: {r.get('down')}" for r in down),
+        fix=f"`journalctl -u {paths.PLUGIN_SERVICE}` says why; for MPS see "
+        "`<mps-root>/<resource>/log/control.log` and that nvidia-cuda-mps-control is installed (the plugin "
+        "restarts the daemon on its own)",
     )
 
 

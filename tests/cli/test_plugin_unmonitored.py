@@ -54,3 +54,41 @@ def test_no_warning_without_unmonitored_gpus(
     _, checks = doctor(node, capsys)
     assert "plugin.health" not in checks
     assert checks["plugin"]["status"] == "ok"
+
+
+def test_a_resource_down_for_its_mps_daemon_is_a_doctor_failure(
+    node: Node, fake_nvml: Callable[..., None], capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake_nvml("dgx-a100")
+    resource = {
+        "name": "nvidia.com/gpu",
+        "socket": "gpunode-nvidia.com-gpu.sock",
+        "devices": 32,
+        "healthy": 0,
+        "registered": True,
+        "sharing": "mps",
+        "down": "its MPS control daemon exited",
+    }
+    node.file(STATUS, json.dumps({"ready": True, "resources": [resource], "unmonitored": []}))
+    code, checks = doctor(node, capsys)
+    assert code == 1  # a check failed
+    finding = checks["plugin.sharing"]
+    assert finding["status"] == "fail"
+    assert finding["summary"] == (
+        "1 resource(s) served with every device unhealthy: nvidia.com/gpu: its MPS control daemon exited"
+    )
+    assert "control.log" in finding["fix"]
+    node.file(STATUS, json.dumps({"ready": True, "resources": [{**resource, "down": None}]}))
+    assert "plugin.sharing" not in doctor(node, capsys)[1]
+
+
+def test_nvidia_plugin_serving_the_same_resource_is_a_failure(
+    node: Node, fake_nvml: Callable[..., None], capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake_nvml("dgx-a100")
+    node.socket("/var/lib/kubelet/device-plugins/nvidia-gpu.sock")
+    code, checks = doctor(node, capsys)
+    assert code == 1  # a check failed
+    assert checks["plugin.duplicate"]["status"] == "fail"
+    assert "kubectl delete ds" in checks["plugin.duplicate"]["fix"]
+    assert checks["plugin"]["status"] == "ok"
