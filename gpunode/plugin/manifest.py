@@ -300,6 +300,15 @@ def to_yaml(items: Sequence[dict[str, Any]]) -> str:
 def manifests(config: PluginConfig, options: ManifestOptions) -> str:
     """The manifests as YAML; a config that turns events on (explicitly: on a node they are on by default,
     with kubelet's credentials) gets their RBAC and credentials too."""
+    if any(e.replicas > 1 for e in config.mps_resources):
+        from gpunode.errors import ConfigError
+
+        # The daemons need the driver's MPS programs and libraries, a mount namespace (CAP_SYS_ADMIN) and
+        # mps.root shared with the pods: none of which this unprivileged container has.
+        raise ConfigError(
+            "mps.resources: the DaemonSet form does not run MPS control daemons",
+            "run the plugin on the host for MPS (`gpunode plugin install`), or share with time-slicing",
+        )
     explicit = config.origins.get("events_enabled", "default") != "default"
     if config.events_enabled and explicit and not options.events:
         options = replace(options, events=True)

@@ -369,3 +369,14 @@ def test_fleets_plugin_manifest_line_runs_as_documented(
     validate(objects)
     daemonset = objects[-1]
     assert daemonset["spec"]["template"]["spec"]["containers"][0]["image"] == shlex.split(command)[-1]
+
+
+def test_mps_is_refused_in_the_daemonset_form(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "etc/gpunode").mkdir(parents=True)
+    (tmp_path / "etc/gpunode/plugin.toml").write_text(
+        '[mps]\nresources = [{name = "nvidia.com/gpu", replicas = 4}]\n'
+    )
+    code = main(["plugin", "manifest"], host=Host(root=tmp_path, env={}))
+    err = capsys.readouterr().err
+    assert code == 4
+    assert "the DaemonSet form does not run MPS control daemons" in err and "gpunode plugin install" in err
