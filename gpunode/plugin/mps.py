@@ -91,6 +91,8 @@ class DaemonSpec:
             pipe_dir=self.pipe_dir,
             shm_dir=self.shm_dir,
             container_pipe_dir=posixpath.join(CONTAINER_ROOT, self.resource, "pipe"),
+            active_thread_percentage=self.active_thread_percentage,
+            pinned_limits_mib=dict(zip(self.gpu_uuids, self.pinned_limits_mib, strict=True)),
         )
 
     def record(self) -> dict[str, object]:

@@ -106,6 +106,8 @@ def test_a_daemon_per_shared_resource_serves_the_replicas(kubelet: FakeKubelet, 
 
         [container] = kubelet.allocate(GPU, [[devices[0].id]]).container_responses
         assert container.envs["CUDA_MPS_PIPE_DIRECTORY"] == f"/mps/{GPU}/pipe"
+        assert container.envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
+        assert container.envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"0={L4_MIB // 4}M"
         mounts = {m.container_path: (m.host_path, m.read_only) for m in container.mounts}
         assert mounts[f"/mps/{GPU}/pipe"] == (str(base / "mps" / GPU / "pipe"), False)
         assert mounts["/dev/shm"] == (str(shm), False)

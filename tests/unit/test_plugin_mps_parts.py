@@ -51,12 +51,9 @@ def test_a_spec_per_mps_resource_with_derived_defaults() -> None:
     assert spec.commands() == ["set_default_active_thread_percentage 25"] + [
         f"set_default_device_pinned_mem_limit {n} {memory // 4 // MIB}M" for n in range(4)
     ]
-    mounts = spec.mounts()
-    assert mounts == MpsMounts(
-        "/run/nvidia/mps/nvidia.com/gpu/pipe",
-        "/run/nvidia/mps/nvidia.com/gpu/shm",
-        "/mps/nvidia.com/gpu/pipe",
-    )
+    root = "/run/nvidia/mps/nvidia.com/gpu"
+    limits = dict.fromkeys(spec.gpu_uuids, memory // 4 // MIB)
+    assert spec.mounts() == MpsMounts(f"{root}/pipe", f"{root}/shm", "/mps/nvidia.com/gpu/pipe", 25, limits)
 
 
 def test_overrides_and_selected_devices() -> None:
@@ -98,6 +95,19 @@ def test_allocate_hands_the_container_the_pipe_directory_and_shm() -> None:
     assert answer.envs == {"CUDA_MPS_PIPE_DIRECTORY": "/mps/nvidia.com/gpu/pipe"}
     assert answer.mounts == (("/mps/nvidia.com/gpu/pipe", "/r/pipe", False), ("/dev/shm", "/r/shm", False))
     assert answer.cdi_devices == (f"nvidia.com/gpu={resource.devices[0].uuid}",)
+    # The client's share said in its environment too; the memory limit by the container's own ordinals.
+    two = [d for d in resource.devices if d.replica == 0][:2]
+    limits = {d.gpu_uuid: 5000 for d in two}
+    said = MpsMounts("/r/pipe", "/r/shm", "/mps/nvidia.com/gpu/pipe", 25, limits)
+    settings = AllocateSettings(mps={GPU: said})
+    [answer] = allocate(resource, [[d.id for d in two]], registry.health_of, settings)
+    assert answer.envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
+    assert answer.envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=5000M,1=5000M"
+    # GPUs with different limits: no ordinal is guessed.
+    said = MpsMounts("/r/pipe", "/r/shm", "/p", 25, {two[0].gpu_uuid: 5000, two[1].gpu_uuid: 6000})
+    settings = AllocateSettings(mps={GPU: said})
+    [answer] = allocate(resource, [[d.id for d in two]], registry.health_of, settings)
+    assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT" not in answer.envs
     # A GPU the entry left unshared gets nothing of it, nor do other resources' containers.
     [partly] = mps_resources(devices=("1",))
     plain = next(d for d in partly.devices if d.replica is None)
