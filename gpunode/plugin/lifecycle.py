@@ -203,6 +203,7 @@ class Plugin:
         self._nodes = DeviceNodes()
         self._inventory: Inventory | None = None
         self._health: HealthMonitor | None = None
+        self._health_pending: Inventory | None = None  # a discovery whose GPUs the monitor should watch
         self._mps: MpsSupervisor | None = None  # MPS control daemons, once a resource shares through MPS
         self._mig_watch: MigWatcher | None = None  # MIG geometry changes, seen without a SIGHUP
         self._watch: DirectoryWatch | None = None
@@ -234,6 +235,7 @@ class Plugin:
             self._load_devices(first=True)
             self._start_watch()
             self._reconcile()
+            self._restart_pending_health()
             next_beat = 0.0
             while True:
                 if self._heartbeat is not None:
@@ -274,6 +276,8 @@ class Plugin:
                     retry = threading.Timer(1.0, lambda: self._events.put(("retry", None)))
                     retry.daemon = True
                     retry.start()
+                finally:
+                    self._restart_pending_health()
         finally:
             self._shutdown()
 
@@ -390,7 +394,12 @@ class Plugin:
                 "" if len(resource.devices) == 1 else "s",
                 f" ({resource.replicas} replicas per GPU)" if resource.replicas > 1 else "",
             )
-        self._restart_health(inventory)
+        if first:
+            self._restart_health(inventory)  # watching before anything is served
+        else:
+            # After the reconcile that follows: stopping the old monitor (which watches meanwhile) waits up
+            # to its NVML wait slice, which a new resource (a MIG profile just created) should not wait for.
+            self._health_pending = inventory
         self._follow_mig(inventory)
 
     def _refresh_cdi_spec(self, inventory: Inventory) -> None:
@@ -499,6 +508,11 @@ class Plugin:
                 find_program=lambda: find_control_program(self.host, driver_root),
             )
         self._mps.apply(specs)
+
+    def _restart_pending_health(self) -> None:
+        inventory, self._health_pending = self._health_pending, None
+        if inventory is not None:
+            self._restart_health(inventory)
 
     def _restart_health(self, inventory: Inventory) -> None:
         if self._health is not None:

@@ -172,7 +172,7 @@ def test_xid_makes_the_gpu_unhealthy_then_it_recovers(kubelet: FakeKubelet, sock
     with PluginProcess(socket_dir, args, profile="pcie-4", control=control) as plugin:
         kubelet.wait_registered(GPU)
         devices = kubelet.wait_for_devices(GPU, lambda d: len(d) == 8)
-        plugin.wait_for_log("health")
+        plugin.wait_for_log("health monitor armed")
         uuid1 = devices[2].id.split("::")[0]
         fakenvml.inject(control, "xid 1 13")  # an application error: ignored
         fakenvml.inject(control, "xid 1 79")
@@ -212,7 +212,7 @@ def test_lost_gpu_is_unhealthy(kubelet: FakeKubelet, socket_dir: Path) -> None:
     ) as plugin:
         kubelet.wait_registered(GPU)
         devices = kubelet.wait_for_devices(GPU, lambda d: len(d) == 4)
-        plugin.wait_for_log("health")
+        plugin.wait_for_log("health monitor armed")
         fakenvml.inject(control, "lost 3")
         after = kubelet.wait_for_devices(GPU, lambda d: d[3].health == UNHEALTHY)
         assert [d.health for d in after[:3]] == [HEALTHY] * 3 and after[3].id == devices[3].id

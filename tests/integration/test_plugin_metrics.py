@@ -137,7 +137,7 @@ def test_xid_changes_metrics_event_and_condition(
     with start_plugin(socket_dir, api, pki, control, port) as plugin:
         kubelet.wait_registered(GPU)
         devices = kubelet.wait_for_devices(GPU, lambda d: len(d) == 4)
-        plugin.wait_for_log("health")
+        plugin.wait_for_log("health monitor armed")
         plugin.wait_for_log("metrics: serving")
 
         # Healthy node: every device 1, kubelet's view, a registration, the library's process metrics.
@@ -244,7 +244,7 @@ def test_a_hanging_api_never_delays_health_or_allocate(
     with start_plugin(socket_dir, api, pki, control, port) as plugin:
         kubelet.wait_registered(GPU)
         devices = kubelet.wait_for_devices(GPU, lambda d: len(d) == 4)
-        plugin.wait_for_log("health")
+        plugin.wait_for_log("health monitor armed")
         fakenvml.inject(control, "xid 2 79")
         kubelet.wait_for_devices(GPU, lambda d: any(x.health == UNHEALTHY for x in d))
         kubelet.allocate(GPU, [[devices[0].id]])
