@@ -180,11 +180,26 @@ def plugin_sharing(host: Host) -> Sharing:
 
 
 def plugin_resource(host: Host) -> str:
-    """The resource the installed gpunode plugin makes kubelet advertise: its resource-name, with ".shared"
-    when time-slicing renames it (rename-by-default); nvidia.com/gpu without a plugin config."""
+    """The resource the installed gpunode plugin makes kubelet advertise: its resource-name, renamed as its
+    sharing renames it (an entry's rename, or ".shared" with rename-by-default); nvidia.com/gpu without a
+    plugin config."""
     config = _plugin_config(host)
     if config is None:
         return DEFAULT_RESOURCE
+    domain = config.resource_name.split("/", 1)[0]
+
+    def qualified(name: str) -> str:
+        return name if "/" in name else f"{domain}/{name}"
+
+    # A per-resource entry (time-slicing.resources or mps.resources) for the whole-GPU resource wins, as
+    # in the plugin: its own rename, else <name>.shared with rename-by-default.
+    entries = config.mps_resources if any(e.replicas > 1 for e in config.mps_resources) else ()
+    entries = entries or config.shared_resources
+    for entry in entries:
+        if entry.replicas > 1 and qualified(entry.name) == config.resource_name:
+            if entry.rename:
+                return qualified(entry.rename)
+            return f"{config.resource_name}.shared" if config.rename_by_default else config.resource_name
     shared = config.replicas > 1 and config.rename_by_default
     return f"{config.resource_name}.shared" if shared else config.resource_name
 

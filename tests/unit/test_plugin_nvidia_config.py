@@ -472,3 +472,30 @@ def test_show_config_of_an_nvidia_file_reads_back_the_same(tmp_path: Path, name:
     assert f"# from: file /{name} (" in text  # each value names the NVIDIA key it came from
     (tmp_path / "shown.toml").write_text(text)
     assert load_config(Host(root=tmp_path, env={}), config_path="/shown.toml", env={}) == config
+
+
+@pytest.mark.parametrize(
+    ("name", "resource"),
+    [
+        ("time-slicing.yaml", "nvidia.com/gpu"),
+        ("time-slicing-rename.yaml", "nvidia.com/gpu.shared"),
+        ("mps.yaml", "nvidia.com/gpu"),
+        ("flags.yaml", "nvidia.com/gpu"),
+    ],
+)
+def test_the_advertised_resource_follows_the_sharing_rename(tmp_path: Path, name: str, resource: str) -> None:
+    from gpunode.advertise import plugin_resource
+
+    target = tmp_path / "etc/gpunode/plugin.toml"
+    target.parent.mkdir(parents=True)
+    target.write_text((FIXTURES / name).read_text())
+    assert plugin_resource(Host(root=tmp_path, env={})) == resource
+
+
+def test_the_advertised_resource_with_an_mps_rename(tmp_path: Path) -> None:
+    from gpunode.advertise import plugin_resource
+
+    target = tmp_path / "etc/gpunode/plugin.toml"
+    target.parent.mkdir(parents=True)
+    target.write_text('[mps]\nresources = [{name = "nvidia.com/gpu", replicas = 2, rename = "gpu-mps"}]\n')
+    assert plugin_resource(Host(root=tmp_path, env={})) == "nvidia.com/gpu-mps"
