@@ -66,7 +66,6 @@ class MpsMounts:
     shm_dir: str  # host path, the daemon's own /dev/shm (<mps-root>/<resource>/shm)
     container_pipe_dir: str  # where the container sees the pipe directory (NVIDIA's /mps/<resource>/pipe)
     active_thread_percentage: int = 0  # the client's share, as the daemon's default (0: not said)
-    pinned_limits_mib: Mapping[str, int] = field(default_factory=dict)  # GPU UUID -> MiB (0: no limit)
 
 
 @dataclass(frozen=True)
@@ -131,6 +130,14 @@ def _check(
         # One pass (Counter), not a count() per ID: a request may name thousands.
         dupes = sorted(i for i, n in Counter(ids).items() if n > 1)
         raise Refused("INVALID_ARGUMENT", f"device ID {shown_ids(dupes)} requested more than once")
+    if resource.sharing == "mps" and len(ids) > 1:
+        # A replica is a fixed share of one GPU (threads, memory) set by its daemon: two would still get one
+        # share while kubelet counts two (NVIDIA's plugin refuses these too).
+        raise Refused(
+            "INVALID_ARGUMENT",
+            f"request for {len(ids)} {resource.name} refused: the GPUs are shared through MPS, and a "
+            "container gets one replica (a fixed share of one GPU); ask for 1",
+        )
     if resource.replicas > 1 and settings.fail_requests_greater_than_one and len(ids) > 1:
         raise Refused(
             "INVALID_ARGUMENT",
@@ -206,16 +213,11 @@ def _answer(
         # control daemon through the pipe directory, and talks to its server through shared memory, which
         # must be the daemon's own /dev/shm, not the pod's.
         envs[MPS_PIPE_ENV] = mps.container_pipe_dir
-        # The daemon's defaults apply already; said in the environment too, so the workload (and whoever
-        # debugs it) sees its share. The memory limit names device ordinals, which in the container follow
-        # its own GPUs: given only when they all have one limit, so no ordinal can be wrong.
+        # The daemon's defaults apply already; the thread share is said in the environment too, so the
+        # workload (and whoever debugs it) sees it. The memory limit is not: it names device ordinals as
+        # the MPS server numbers them, which need not be the container's.
         if mps.active_thread_percentage:
             envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(mps.active_thread_percentage)
-        limits = {mps.pinned_limits_mib.get(v, 0) for v in dict.fromkeys(d.gpu_uuid for d in devices)}
-        if len(limits) == 1 and (limit := limits.pop()) > 0:
-            envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = ",".join(
-                f"{n}={limit}M" for n in range(len({d.gpu_uuid for d in devices}))
-            )
         mounts.append((mps.container_pipe_dir, mps.pipe_dir, False))
         mounts.append((SHM, mps.shm_dir, False))
     return ContainerAllocation(envs, tuple(mounts), tuple(specs), annotations, tuple(cdi))

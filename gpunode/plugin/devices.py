@@ -448,7 +448,7 @@ class DeviceRegistry:
         return True
 
     def set_resource_down(self, name: str, reason: str | None) -> bool:
-        """Make every device of a resource unhealthy (reason) or take that back (None); True if that changed.
+        """Make every replica of a resource unhealthy (reason) or take that back (None); True if that changed.
 
         For what serves a whole resource besides its GPUs: its MPS control daemon. GPU marks are untouched,
         so a device is healthy only when both its GPU and its resource are."""
@@ -558,7 +558,9 @@ class DeviceRegistry:
         reason = self._unhealthy.get(Unit(unit.gpu_index))
         if reason is None and unit.instance is not None:
             reason = self._unhealthy.get(unit)
-        if reason is None and resource is not None:
+        if reason is None and resource is not None and device.replica is not None:
+            # The replicas are what a resource-wide reason (its MPS daemon) serves; GPUs an entry leaves
+            # unshared in the same resource do not depend on it.
             reason = self._down.get(resource)
         return DeviceHealth(device, reason is None, reason)
 

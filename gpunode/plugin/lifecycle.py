@@ -493,10 +493,6 @@ class Plugin:
             active_thread_percentage=config.mps_active_thread_percentage,
             pinned_memory_limit_mib=config.mps_pinned_memory_limit,
         )
-        if self._mps is not None and self._mps.root != config.mps_root:
-            self._mps.apply(())  # the old root's daemons are not wanted any more
-            self._mps.stop()
-            self._mps = None
         if self._mps is None:
             if not specs:
                 return
@@ -578,6 +574,15 @@ class Plugin:
             log.error("reload refused, keeping the running configuration: %s", err.message)
             return
         old = self.config
+        if self._mps is not None and config.mps_root != old.mps_root:
+            # Moving the daemons means stopping them all: that is a restart's business, not a reload's.
+            log.error(
+                "reload refused, keeping the running configuration: mps.root changed (%s -> %s); restart "
+                "the plugin to move the MPS control daemons",
+                old.mps_root,
+                config.mps_root,
+            )
+            return
         self.config = config
         try:
             self._load_devices(first=False)

@@ -35,7 +35,7 @@ import struct
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 
 from gpunode.errors import CommandFailed, GpunodeError
@@ -50,9 +50,14 @@ CONTROL_PROGRAM = "nvidia-cuda-mps-control"
 CONTAINER_ROOT = "/mps"  # where pods see the pipe directories (NVIDIA's plugin uses the same)
 RECORD = ".gpunode-mps.json"  # in <root>/<resource>/: what the daemon there was started with
 CONTROL_SOCKET = "control"  # the daemon's socket in the pipe directory
+PID_FILE = "nvidia-cuda-mps-control.pid"  # the daemon's own pid file in the pipe directory (MPS docs)
+STARTING = "its MPS control daemon is starting"
+# The plugin's own systemd variables, blanked for the daemons it starts.
+SERVICE_VARIABLES = ("NOTIFY_SOCKET", "WATCHDOG_PID", "WATCHDOG_USEC", "LISTEN_FDS", "LISTEN_PID")
 READY_TIMEOUT = 30.0  # a started daemon must answer on its socket within this
-COMMAND_TIMEOUT = 10.0
-STOP_TIMEOUT = 10.0
+COMMAND_TIMEOUT = 5.0
+STOP_TIMEOUT = 6.0  # quit, then SIGTERM, then SIGKILL: all within this, however many daemons
+TEARDOWN_TIMEOUT = 8.0  # the plugin's stop; systemd's TimeoutStopSec is 15 s for the whole plugin
 RESTART_FIRST = 0.5
 RESTART_MAX = 30.0
 CHECK_INTERVAL = 30.0  # how often a live daemon is asked a question (a hung daemon answers nothing)
@@ -92,7 +97,6 @@ class DaemonSpec:
             shm_dir=self.shm_dir,
             container_pipe_dir=posixpath.join(CONTAINER_ROOT, self.resource, "pipe"),
             active_thread_percentage=self.active_thread_percentage,
-            pinned_limits_mib=dict(zip(self.gpu_uuids, self.pinned_limits_mib, strict=True)),
         )
 
     def record(self) -> dict[str, object]:
@@ -170,13 +174,15 @@ def _peer_pid(path: str) -> int | None:
 
 
 class MpsDaemon:
-    """One control daemon, by its spec; `pid` once it runs (started here, or found running)."""
+    """One control daemon, by its spec. Once it runs (started here, or adopted) it is held by a pidfd:
+    exits are seen without polling, and signals never reach a process that reused its PID."""
 
     def __init__(self, host: Host, spec: DaemonSpec, program: str) -> None:
         self.host = host
         self.spec = spec
         self.program = program
         self.pid: int | None = None
+        self.pidfd: int | None = None
 
     def env(self) -> dict[str, str]:
         # Host paths: the daemon and the control program run on the host.
@@ -191,7 +197,16 @@ class MpsDaemon:
         return str(self.host.path(posixpath.join(self.spec.pipe_dir, CONTROL_SOCKET)))
 
     def running_pid(self) -> int | None:
-        return _peer_pid(self.socket_path)
+        """The daemon answering in the pipe directory: the PID in its pid file when that process lives and
+        its socket answers, else the socket's owner (SO_PEERCRED); None if nothing answers."""
+        owner = _peer_pid(self.socket_path)
+        if owner is None:
+            return None
+        text = self.host.read_text_if_exists(posixpath.join(self.spec.pipe_dir, PID_FILE)) or ""
+        recorded = int(text.strip()) if text.strip().isdigit() else None
+        if recorded is not None and recorded != owner and _alive(recorded):
+            return recorded  # the real daemon may bind before it forks: the socket's owner is its parent
+        return owner
 
     def recorded(self) -> dict[str, object] | None:
         text = self.host.read_text_if_exists(posixpath.join(self.spec.root, RECORD))
@@ -201,17 +216,33 @@ class MpsDaemon:
             return None
         return data if isinstance(data, dict) else None
 
-    def adopt(self) -> bool:
-        """Take over a daemon already running with this spec (a plugin restart); False if there is none."""
-        pid = self.running_pid()
-        if pid is None or self.recorded() != self.spec.record():
-            return False
+    def _attach(self, pid: int) -> None:
+        self.close()
+        self.pidfd = os.pidfd_open(pid)
         self.pid = pid
+
+    def adopt(self) -> bool:
+        """Take over a daemon an earlier run started with this spec and configured (its record names it);
+        False if there is none."""
+        pid = self.running_pid()
+        record = self.recorded()
+        if pid is None or record is None or record.get("pid") != pid:
+            return False
+        if {k: v for k, v in record.items() if k != "pid"} != self.spec.record():
+            return False
+        try:
+            self._attach(pid)
+        except OSError:
+            return False
         return True
 
-    def start(self) -> None:
-        """Start the daemon and set its defaults; MpsError naming what failed."""
+    def start(self, cancelled: Callable[[], bool] = lambda: False) -> None:
+        """Start the daemon and set its defaults; MpsError naming what failed. A daemon that started but
+        could not be configured is stopped again: none is left running without its limits."""
         spec = self.spec
+        # The record says "started and configured": gone until both are done again, so a failed start
+        # can never be adopted by a later try.
+        self.host.remove_file(posixpath.join(spec.root, RECORD))
         for directory in (spec.pipe_dir, spec.log_dir):
             self.host.make_dirs(directory, mode=0o755)
         self.host.make_dirs(spec.shm_dir, mode=0o755)
@@ -227,8 +258,11 @@ class MpsDaemon:
             self.program,
             "-d",
         ]
+        # The plugin's systemd variables are the plugin's: a daemon that inherited them could notify
+        # systemd as if it were the service.
+        env = {**self.env(), **dict.fromkeys(SERVICE_VARIABLES, "")}
         try:
-            result = self.host.run(argv, env=self.env(), timeout=COMMAND_TIMEOUT)
+            result = self.host.run(argv, env=env, timeout=COMMAND_TIMEOUT)
         except CommandFailed as exc:
             raise MpsError(f"{spec.resource}: cannot start the MPS control daemon: {exc.message}") from None
         if not result.ok:
@@ -238,26 +272,42 @@ class MpsDaemon:
                 + (f": {said}" if said else ""),
                 f"see {spec.log_dir}/control.log",
             )
+        try:
+            self._wait_ready(cancelled)
+            for command in spec.commands():
+                self.command(command)
+            record = {**spec.record(), "pid": self.pid}
+            self.host.write_file(
+                posixpath.join(spec.root, RECORD), json.dumps(record, indent=2) + "\n", mode=0o644
+            )
+        except (MpsError, OSError, GpunodeError):
+            stop_daemons([self], STOP_TIMEOUT)
+            raise
+
+    def _wait_ready(self, cancelled: Callable[[], bool]) -> None:
         deadline = time.monotonic() + READY_TIMEOUT
-        while (pid := self.running_pid()) is None:
+        while True:
+            pid = self.running_pid()
+            if pid is not None:
+                try:
+                    self._attach(pid)
+                    return
+                except ProcessLookupError:
+                    pass  # gone between the answer and the pidfd: look again
+            if cancelled():
+                raise MpsError(f"{self.spec.resource}: start of the MPS control daemon cancelled")
             if time.monotonic() > deadline:
                 raise MpsError(
-                    f"{spec.resource}: the MPS control daemon did not answer on {self.socket_path} within "
-                    f"{READY_TIMEOUT:g} s",
-                    f"see {spec.log_dir}/control.log",
+                    f"{self.spec.resource}: the MPS control daemon did not answer on {self.socket_path} "
+                    f"within {READY_TIMEOUT:g} s",
+                    f"see {self.spec.log_dir}/control.log",
                 )
             time.sleep(0.02)
-        self.pid = pid
-        for command in spec.commands():
-            self.command(command)
-        self.host.write_file(
-            posixpath.join(spec.root, RECORD), json.dumps(spec.record(), indent=2) + "\n", mode=0o644
-        )
 
-    def command(self, line: str) -> str:
+    def command(self, line: str, timeout: float = COMMAND_TIMEOUT) -> str:
         """Send one command through the control program (as MPS documents: on its stdin); its answer."""
         try:
-            result = self.host.run([self.program], env=self.env(), input=line + "\n", timeout=COMMAND_TIMEOUT)
+            result = self.host.run([self.program], env=self.env(), input=line + "\n", timeout=timeout)
         except CommandFailed as exc:
             raise MpsError(f"{self.spec.resource}: MPS control `{line}`: {exc.message}") from None
         if not result.ok:
@@ -276,39 +326,87 @@ class MpsDaemon:
             return exc.message
         return None
 
-    def stop(self, *, asked: bool = False) -> None:
-        """Ask the daemon to quit (unless `asked` already); if it has not within STOP_TIMEOUT, end it by its
-        PID."""
-        pid = self.pid or self.running_pid()
-        if pid is None:
-            return
-        if not asked:
-            try:
-                self.command("quit")
-            except MpsError as exc:
-                log.warning("%s; ending the MPS control daemon (pid %d) by signal", exc.message, pid)
-        if not _wait_exit(pid, STOP_TIMEOUT):
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    break
-                if _wait_exit(pid, 2.0):
-                    break
+    def exited(self, timeout: float = 0.0) -> bool:
+        """True once the held daemon has exited (a zombie counts), or when none is held."""
+        if self.pidfd is None:
+            return True
+        poller = select.poll()
+        poller.register(self.pidfd, select.POLLIN)
+        return bool(poller.poll(max(0.0, timeout) * 1000))
+
+    def signal(self, sig: int) -> None:
+        if self.pidfd is not None:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self.pidfd, sig)
+
+    def close(self) -> None:
+        _close(self.pidfd)
+        self.pidfd = None
         self.pid = None
-        log.info("%s: MPS control daemon (pid %d) stopped", self.spec.resource, pid)
+
+    def stop(self) -> None:
+        stop_daemons([self], STOP_TIMEOUT)
 
 
-def _wait_exit(pid: int, timeout: float) -> bool:
-    """True once the process has exited (a zombie counts: it no longer runs)."""
+def stop_daemons(daemons: Iterable[MpsDaemon], timeout: float) -> None:
+    """Stop daemons together within `timeout`: all are asked to quit first, then waited for at once, then
+    what is left gets SIGTERM, then SIGKILL (through their pidfds). Each ends unheld."""
+    daemons = list(daemons)
+    deadline = time.monotonic() + timeout
+    for daemon in daemons:
+        if daemon.pidfd is None:
+            pid = daemon.running_pid()  # found, not held: started by an earlier run, or not yet attached
+            if pid is not None:
+                with contextlib.suppress(OSError):
+                    daemon._attach(pid)
+        if daemon.pidfd is None:
+            continue
+        try:
+            daemon.command("quit", timeout=max(0.5, min(2.0, deadline - time.monotonic())))
+        except MpsError as exc:
+            log.warning("%s; ending the MPS control daemon (pid %s) by signal", exc.message, daemon.pid)
+    # Leave a third of the time for the signals.
+    _wait_all(daemons, deadline - timeout / 3)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        left = [d for d in daemons if not d.exited()]
+        if not left:
+            break
+        for daemon in left:
+            log.warning(
+                "%s: MPS control daemon (pid %s) still running; sending %s",
+                daemon.spec.resource,
+                daemon.pid,
+                sig.name,
+            )
+            daemon.signal(sig)
+        _wait_all(left, time.monotonic() + max(0.5, (deadline - time.monotonic()) / 2))
+    for daemon in daemons:
+        if daemon.pid is not None:
+            log.info("%s: MPS control daemon (pid %d) stopped", daemon.spec.resource, daemon.pid)
+        daemon.close()
+
+
+def _wait_all(daemons: list[MpsDaemon], until: float) -> None:
+    while any(not d.exited() for d in daemons):
+        left = until - time.monotonic()
+        if left <= 0:
+            return
+        poller = select.poll()
+        for daemon in daemons:
+            if daemon.pidfd is not None and not daemon.exited():
+                poller.register(daemon.pidfd, select.POLLIN)
+        poller.poll(left * 1000)
+
+
+def _alive(pid: int) -> bool:
     try:
         fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return True
+    except OSError:
+        return False
     try:
         poller = select.poll()
         poller.register(fd, select.POLLIN)
-        return bool(poller.poll(timeout * 1000))
+        return not poller.poll(0)
     finally:
         os.close(fd)
 
@@ -316,15 +414,18 @@ def _wait_exit(pid: int, timeout: float) -> bool:
 @dataclass
 class _Watched:
     daemon: MpsDaemon
-    pidfd: int | None = None
-    down: str | None = "its MPS control daemon is starting"
-    retry_at: float = 0.0  # when to start it (again)
+    retry_at: float = 0.0  # when to start it (again), while it does not run
     delay: float = RESTART_FIRST
     next_check: float = 0.0
 
 
 class MpsSupervisor:
-    """Keeps the wanted daemons running; reports each resource's daemon state through `on_state`."""
+    """Keeps the wanted daemons running; reports each resource's daemon state through `on_state`.
+
+    `apply` (the plugin's event loop) says what is wanted; one thread starts, adopts, checks and stops the
+    daemons. Every report goes through `_report`, which drops it when the resource is no longer wanted
+    with that spec: a start that ends after a reload never marks a resource down (or up) for a spec that
+    is gone."""
 
     def __init__(
         self,
@@ -343,7 +444,8 @@ class MpsSupervisor:
         self.program = find_program()
         self.check_interval = check_interval
         self._wanted: dict[str, DaemonSpec] = {}
-        self._watched: dict[str, _Watched] = {}
+        self._reported: dict[str, str | None] = {}
+        self._watched: dict[str, _Watched] = {}  # the thread's alone
         self._lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._stop = threading.Event()
@@ -360,11 +462,12 @@ class MpsSupervisor:
         with self._lock:
             for name in self._wanted:
                 if name not in wanted:
+                    self._reported.pop(name, None)
                     self.on_state(name, None)  # no daemon of its own any more: nothing to be down for
             for name, spec in wanted.items():
-                watched = self._watched.get(name)
-                if watched is None or watched.daemon.spec != spec:
-                    self.on_state(name, "its MPS control daemon is starting")
+                if self._wanted.get(name) != spec:
+                    self._reported[name] = STARTING
+                    self.on_state(name, STARTING)
             self._wanted = wanted
             self._changed = True
         if wanted and self._thread is None:
@@ -373,26 +476,16 @@ class MpsSupervisor:
         self._wake()
 
     def stop(self) -> None:
-        """Stop watching, then stop every daemon: all are asked to quit first, so their waits overlap."""
+        """Stop every daemon (within TEARDOWN_TIMEOUT) and the thread."""
         self._stop.set()
         self._wake()
         if self._thread is not None:
-            self._thread.join(STOP_TIMEOUT + 5)
+            # The thread stops the daemons itself; its waits look at the stop flag, commands time out.
+            self._thread.join(TEARDOWN_TIMEOUT + COMMAND_TIMEOUT + 5)
+            if self._thread.is_alive():
+                log.warning("the MPS supervisor did not stop in time; its daemons may still run")
+                return
             self._thread = None
-        quitting = []
-        for watched in self._watched.values():
-            _close(watched.pidfd)
-            daemon = watched.daemon
-            if daemon.pid is not None:
-                try:
-                    daemon.command("quit")
-                    quitting.append((daemon, True))
-                except MpsError as exc:
-                    log.warning("%s", exc.message)
-                    quitting.append((daemon, False))
-        for daemon, asked in quitting:
-            daemon.stop(asked=asked)  # gone already, normally; else ended by signal
-        self._watched.clear()
         for fd in (self._wake_r, self._wake_w):
             _close(fd)
 
@@ -401,60 +494,69 @@ class MpsSupervisor:
         with contextlib.suppress(OSError):
             os.write(self._wake_w, b"x")
 
+    def _still_wanted(self, name: str, spec: DaemonSpec) -> bool:
+        with self._lock:
+            return self._wanted.get(name) == spec
+
+    def _report(self, name: str, spec: DaemonSpec, reason: str | None) -> None:
+        with self._lock:
+            if self._wanted.get(name) != spec or self._reported.get(name, "") == reason:
+                return
+            self._reported[name] = reason
+            self.on_state(name, reason)
+
     # -- the thread ------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                if self._changed:
-                    self._reconcile()
-                self._tick()
-                self._wait()
-            except Exception:  # a bug must not end the supervision for the plugin's lifetime
-                log.exception("MPS supervisor error; going on in 1 s")
-                self._stop.wait(1.0)
+        try:
+            while not self._stop.is_set():
+                try:
+                    if self._changed:
+                        self._reconcile()
+                    self._tick()
+                    self._wait()
+                except Exception:  # a bug must not end the supervision for the plugin's lifetime
+                    log.exception("MPS supervisor error; going on in 1 s")
+                    self._stop.wait(1.0)
+        finally:
+            stop_daemons([w.daemon for w in self._watched.values()], TEARDOWN_TIMEOUT)
+            self._watched.clear()
 
     def _reconcile(self) -> None:
         with self._lock:
             wanted = dict(self._wanted)
             self._changed = False
-        for name in [
-            n for n in self._watched if n not in wanted or self._watched[n].daemon.spec != wanted[n]
-        ]:
-            watched = self._watched.pop(name)
-            _close(watched.pidfd)
-            watched.daemon.stop()
-        for spec in self._stale_records(wanted):
-            if self.program is not None:
-                MpsDaemon(self.host, spec, self.program).stop()
+        gone = [n for n in self._watched if n not in wanted or self._watched[n].daemon.spec != wanted[n]]
+        stop_daemons([self._watched.pop(n).daemon for n in gone], STOP_TIMEOUT)
+        stale = [s for s in read_records(self.host, self.root) if s.resource not in wanted]
+        if stale and self.program is not None:
+            stop_daemons([MpsDaemon(self.host, s, self.program) for s in stale], STOP_TIMEOUT)
+        for spec in stale:
+            self.host.remove_file(posixpath.join(spec.root, RECORD))
         for name, spec in wanted.items():
             if name not in self._watched:
                 self._watched[name] = _Watched(MpsDaemon(self.host, spec, self.program or CONTROL_PROGRAM))
 
-    def _stale_records(self, wanted: Mapping[str, DaemonSpec]) -> list[DaemonSpec]:
-        """Daemons an earlier run left for resources this one does not share through MPS (by their record)."""
-        out = []
-        for spec in read_records(self.host, self.root):
-            if spec.resource not in wanted:
-                out.append(spec)
-        return out
-
     def _tick(self) -> None:
         now = time.monotonic()
-        for name, watched in self._watched.items():
-            if watched.pidfd is None and now >= watched.retry_at:
+        for name, watched in list(self._watched.items()):
+            if self._stop.is_set() or self._changed:
+                return  # a reconcile (or the stop) first
+            daemon = watched.daemon
+            if daemon.pidfd is None and now >= watched.retry_at:
                 self._bring_up(name, watched)
-            elif watched.pidfd is not None and now >= watched.next_check:
-                problem = watched.daemon.check()
-                watched.next_check = now + self.check_interval
+            elif daemon.pidfd is not None and now >= watched.next_check:
+                problem = daemon.check()
+                watched.next_check = time.monotonic() + self.check_interval
                 if problem is not None:
                     log.error("%s: the MPS control daemon does not answer (%s); restarting it", name, problem)
-                    self._went_down(name, watched, f"its MPS control daemon does not answer ({problem})")
-                    watched.daemon.stop()
+                    daemon.stop()
+                    self._report(name, daemon.spec, f"its MPS control daemon does not answer ({problem})")
                     watched.retry_at = time.monotonic()
 
     def _bring_up(self, name: str, watched: _Watched) -> None:
         daemon = watched.daemon
+        spec = daemon.spec
         try:
             if self.program is None:
                 self.program = self.find_program()
@@ -467,15 +569,13 @@ class MpsSupervisor:
             adopted = daemon.adopt()
             if not adopted:
                 if daemon.running_pid() is not None:
-                    daemon.stop()  # started with other settings (another config): replace it
-                daemon.start()
-            assert daemon.pid is not None  # noqa: S101 (adopt/start set it or raise)
-            watched.pidfd = os.pidfd_open(daemon.pid)
+                    daemon.stop()  # started with other settings, or never configured: replace it
+                daemon.start(lambda: self._stop.is_set() or not self._still_wanted(name, spec))
         except (MpsError, OSError, GpunodeError) as exc:
             message = exc.message if isinstance(exc, GpunodeError) else str(exc)
             fix = f" (fix: {exc.fix})" if isinstance(exc, GpunodeError) and exc.fix else ""
             log.error("%s; trying again in %.1fs%s", message, watched.delay, fix)
-            self._went_down(name, watched, f"its MPS control daemon is not running ({message})")
+            self._report(name, spec, f"its MPS control daemon is not running ({message})")
             watched.retry_at = time.monotonic() + watched.delay
             watched.delay = min(watched.delay * 2, RESTART_MAX)
             return
@@ -484,37 +584,27 @@ class MpsSupervisor:
             name,
             "adopted" if adopted else "started",
             daemon.pid,
-            len(daemon.spec.gpu_uuids),
-            daemon.spec.active_thread_percentage,
-            ", ".join(f"{m} MiB" if m else "no memory limit" for m in daemon.spec.pinned_limits_mib),
+            len(spec.gpu_uuids),
+            spec.active_thread_percentage,
+            ", ".join(f"{m} MiB" if m else "no memory limit" for m in spec.pinned_limits_mib),
         )
         watched.delay = RESTART_FIRST
         watched.next_check = time.monotonic() + self.check_interval
-        if watched.down is not None:
-            watched.down = None
-            self.on_state(name, None)
-
-    def _went_down(self, name: str, watched: _Watched, reason: str) -> None:
-        _close(watched.pidfd)
-        watched.pidfd = None
-        if watched.down != reason:
-            watched.down = reason
-            self.on_state(name, reason)
+        self._report(name, spec, None)
 
     def _wait(self) -> None:
         now = time.monotonic()
-        due = [w.retry_at for w in self._watched.values() if w.pidfd is None]
-        due += [w.next_check for w in self._watched.values() if w.pidfd is not None]
+        due = [w.retry_at for w in self._watched.values() if w.daemon.pidfd is None]
+        due += [w.next_check for w in self._watched.values() if w.daemon.pidfd is not None]
         timeout = max(0.0, min(due) - now) if due else None
         poller = select.poll()
         poller.register(self._wake_r, select.POLLIN)
         by_fd = {}
         for name, watched in self._watched.items():
-            if watched.pidfd is not None:
-                poller.register(watched.pidfd, select.POLLIN)
-                by_fd[watched.pidfd] = name
-        events = poller.poll(None if timeout is None else timeout * 1000)
-        for fd, _ in events:
+            if watched.daemon.pidfd is not None:
+                poller.register(watched.daemon.pidfd, select.POLLIN)
+                by_fd[watched.daemon.pidfd] = name
+        for fd, _ in poller.poll(None if timeout is None else timeout * 1000):
             if fd == self._wake_r:
                 with contextlib.suppress(BlockingIOError):
                     while os.read(self._wake_r, 64):
@@ -522,10 +612,10 @@ class MpsSupervisor:
                 continue
             name = by_fd[fd]
             watched = self._watched[name]
-            pid = watched.daemon.pid
-            log.error("%s: the MPS control daemon (pid %s) exited; starting it again", name, pid)
-            watched.daemon.pid = None
-            self._went_down(name, watched, "its MPS control daemon exited")
+            daemon = watched.daemon
+            log.error("%s: the MPS control daemon (pid %s) exited; starting it again", name, daemon.pid)
+            daemon.close()
+            self._report(name, daemon.spec, "its MPS control daemon exited")
             watched.retry_at = time.monotonic()
 
 

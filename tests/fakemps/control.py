@@ -10,6 +10,7 @@
 - Commands: get/set_default_active_thread_percentage, get/set_default_device_pinned_mem_limit (the device
   ordinal must be one of the CUDA_VISIBLE_DEVICES the daemon was started with), get_server_list, quit.
   Anything else is answered "Unrecognized command" (status 1).
+- The daemon writes its PID to `nvidia-cuda-mps-control.pid` in the pipe directory, as the real one does.
 - Like an MPS server, the daemon creates a file in /dev/shm (`mps-standin.<pid>`): a test sees which
   /dev/shm the daemon had.
 
@@ -96,6 +97,8 @@ class Daemon:
         server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         server.bind(path)
         server.listen(16)
+        with open(os.path.join(self.pipe, "nvidia-cuda-mps-control.pid"), "w", encoding="utf-8") as f:
+            f.write(f"{os.getpid()}\n")
         self.log(f"Starting control daemon using socket {path}")
         self.log(f"To connect CUDA applications to this daemon, set env CUDA_MPS_PIPE_DIRECTORY={self.pipe}")
         with contextlib.suppress(OSError), open(f"/dev/shm/mps-standin.{os.getpid()}", "w") as f:

@@ -107,7 +107,13 @@ def test_a_daemon_per_shared_resource_serves_the_replicas(kubelet: FakeKubelet, 
         [container] = kubelet.allocate(GPU, [[devices[0].id]]).container_responses
         assert container.envs["CUDA_MPS_PIPE_DIRECTORY"] == f"/mps/{GPU}/pipe"
         assert container.envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
-        assert container.envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"0={L4_MIB // 4}M"
+        assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT" not in container.envs  # the daemon's default applies
+        # A container gets one replica: two would still get one replica's share.
+        import grpc
+
+        with pytest.raises(grpc.RpcError) as err:
+            kubelet.allocate(GPU, [[devices[0].id, devices[1].id]])
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "ask for 1" in err.value.details()
         mounts = {m.container_path: (m.host_path, m.read_only) for m in container.mounts}
         assert mounts[f"/mps/{GPU}/pipe"] == (str(base / "mps" / GPU / "pipe"), False)
         assert mounts["/dev/shm"] == (str(shm), False)

@@ -52,8 +52,7 @@ def test_a_spec_per_mps_resource_with_derived_defaults() -> None:
         f"set_default_device_pinned_mem_limit {n} {memory // 4 // MIB}M" for n in range(4)
     ]
     root = "/run/nvidia/mps/nvidia.com/gpu"
-    limits = dict.fromkeys(spec.gpu_uuids, memory // 4 // MIB)
-    assert spec.mounts() == MpsMounts(f"{root}/pipe", f"{root}/shm", "/mps/nvidia.com/gpu/pipe", 25, limits)
+    assert spec.mounts() == MpsMounts(f"{root}/pipe", f"{root}/shm", "/mps/nvidia.com/gpu/pipe", 25)
 
 
 def test_overrides_and_selected_devices() -> None:
@@ -95,19 +94,17 @@ def test_allocate_hands_the_container_the_pipe_directory_and_shm() -> None:
     assert answer.envs == {"CUDA_MPS_PIPE_DIRECTORY": "/mps/nvidia.com/gpu/pipe"}
     assert answer.mounts == (("/mps/nvidia.com/gpu/pipe", "/r/pipe", False), ("/dev/shm", "/r/shm", False))
     assert answer.cdi_devices == (f"nvidia.com/gpu={resource.devices[0].uuid}",)
-    # The client's share said in its environment too; the memory limit by the container's own ordinals.
-    two = [d for d in resource.devices if d.replica == 0][:2]
-    limits = {d.gpu_uuid: 5000 for d in two}
-    said = MpsMounts("/r/pipe", "/r/shm", "/mps/nvidia.com/gpu/pipe", 25, limits)
+    # The client's thread share said in its environment too (not the memory limit: its ordinals are the
+    # server's); and one replica per container.
+    said = MpsMounts("/r/pipe", "/r/shm", "/mps/nvidia.com/gpu/pipe", 25)
     settings = AllocateSettings(mps={GPU: said})
-    [answer] = allocate(resource, [[d.id for d in two]], registry.health_of, settings)
+    [answer] = allocate(resource, [[resource.devices[0].id]], registry.health_of, settings)
     assert answer.envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
-    assert answer.envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=5000M,1=5000M"
-    # GPUs with different limits: no ordinal is guessed.
-    said = MpsMounts("/r/pipe", "/r/shm", "/p", 25, {two[0].gpu_uuid: 5000, two[1].gpu_uuid: 6000})
-    settings = AllocateSettings(mps={GPU: said})
-    [answer] = allocate(resource, [[d.id for d in two]], registry.health_of, settings)
     assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT" not in answer.envs
+    from gpunode.plugin.allocate import Refused
+
+    with pytest.raises(Refused, match="a container gets one replica"):
+        allocate(resource, [[d.id for d in resource.devices[:2]]], registry.health_of, settings)
     # A GPU the entry left unshared gets nothing of it, nor do other resources' containers.
     [partly] = mps_resources(devices=("1",))
     plain = next(d for d in partly.devices if d.replica is None)
@@ -117,7 +114,7 @@ def test_allocate_hands_the_container_the_pipe_directory_and_shm() -> None:
     assert "CUDA_MPS_PIPE_DIRECTORY" not in answer.envs and answer.mounts == ()
 
 
-def test_a_resource_down_mark_covers_its_devices_only() -> None:
+def test_a_resource_down_mark_covers_its_replicas_only() -> None:
     inventory = simulated_inventory("pcie-4")
     share = SharedResource(GPU, 2, devices=("0",))
     resources = build_resources(inventory, sharing=Sharing(resources=(share,), strategy="mps"))
@@ -129,8 +126,12 @@ def test_a_resource_down_mark_covers_its_devices_only() -> None:
     assert not registry.set_resource_down(GPU, "its MPS control daemon exited")  # said already
     new_version, states = registry.snapshot(GPU)
     assert new_version > version and changes == [1]
-    assert all(not s.healthy and s.reason == "its MPS control daemon exited" for s in states)
-    device = states[0].device
+    replicas = [s for s in states if s.device.replica is not None]
+    unshared = [s for s in states if s.device.replica is None]
+    assert len(replicas) == 2 and len(unshared) == 3  # GPU 0 shared, the other three left whole
+    assert all(not s.healthy and s.reason == "its MPS control daemon exited" for s in replicas)
+    assert all(s.healthy for s in unshared)  # they do not depend on the daemon
+    device = replicas[0].device
     assert registry.health_of(device).healthy  # the GPU itself is fine
     assert not registry.health_of(device, GPU).healthy
     registry.replace(resources)  # a reload keeps the mark: only the supervisor clears it
@@ -174,12 +175,16 @@ def test_daemon_start_configure_check_and_stop(base: Path) -> None:
     assert daemon.command("get_default_device_pinned_mem_limit 1") == "none"  # memory unknown: no limit
     assert daemon.check() is None
     assert [s.resource for s in read_records(host, str(base / "mps"))] == [GPU]
-    # A second daemon on the same pipe directory is refused by the program itself, and said so.
+    # Adopted only with the same settings (and the PID its record names).
+    other = MpsDaemon(host, spec_in(base), program)
+    assert other.adopt() and other.pid == daemon.pid
+    other.close()
+    assert not MpsDaemon(host, spec_in(base, percentage=50), program).adopt()
+    # A second daemon on the same pipe directory is refused by the program itself, and said so; the
+    # failed start took the record away, so nothing adopts that daemon as configured any more.
     with pytest.raises(MpsError, match="already running"):
         MpsDaemon(host, spec_in(base), program).start()
-    # Adopted only with the same settings.
-    assert MpsDaemon(host, spec_in(base), program).adopt()
-    assert not MpsDaemon(host, spec_in(base, percentage=50), program).adopt()
+    assert not MpsDaemon(host, spec_in(base), program).adopt()
     with pytest.raises(MpsError, match="Unrecognized command"):
         daemon.command("no_such_command")
     pid = daemon.pid
@@ -263,3 +268,86 @@ def test_supervisor_restarts_a_dead_daemon_and_a_hung_one(
                 time.sleep(0.02)
     finally:
         supervisor.stop()
+
+
+def slow_program(base: Path, seconds: float) -> str:
+    """The stand-in behind a wrapper whose `-d` takes `seconds` before it starts the daemon: a start in
+    flight for that long."""
+    real = fakemps.install(base / "bin")
+    wrapper = base / "bin" / "slow-mps-control"
+    wrapper.write_text(f'#!/bin/sh\n[ "$1" = -d ] && sleep {seconds}\nexec {real} "$@"\n')
+    wrapper.chmod(0o755)
+    return str(wrapper)
+
+
+def test_a_report_for_a_spec_no_longer_wanted_is_dropped(base: Path) -> None:
+    states = States()
+    program = slow_program(base, 1.0)
+    supervisor = MpsSupervisor(Host(), str(base / "mps"), states, find_program=lambda: program)
+    try:
+        supervisor.apply([spec_in(base)])
+        time.sleep(0.3)  # its start is in flight
+        changed = spec_in(base, percentage=50)
+        supervisor.apply([changed])  # a reload with other settings
+        seen = states.wait(up=True)
+        # No "up" for the old spec in between: the only up is the new daemon's, set to 50 %.
+        assert [r for _, r in states.calls[:seen]].count(None) == 1
+        assert MpsDaemon(Host(), changed, program).command("get_default_active_thread_percentage") == "50.0"
+        # MPS turned off while a start fails: nothing is left marked down.
+        supervisor.apply([])
+        assert states.calls[-1] == (GPU, None)
+    finally:
+        supervisor.stop()
+    assert states.calls[-1] == (GPU, None)
+    assert fakemps.daemon_pids(base / "mps") == {}
+
+
+def test_turning_mps_off_while_its_program_is_missing_leaves_nothing_down(base: Path) -> None:
+    states = States()
+    supervisor = MpsSupervisor(Host(), str(base / "mps"), states, find_program=lambda: None)
+    try:
+        supervisor.apply([spec_in(base)])
+        deadline = time.monotonic() + 30
+        while not any("not installed" in (r or "") for _, r in states.calls):
+            assert time.monotonic() < deadline, states.calls
+            time.sleep(0.02)
+        supervisor.apply([])
+        time.sleep(1.0)  # a retry that would fail again, had the supervisor kept trying
+        assert states.calls[-1] == (GPU, None)
+    finally:
+        supervisor.stop()
+    assert states.calls[-1] == (GPU, None)
+
+
+def test_stop_during_a_start_leaves_no_daemon(base: Path) -> None:
+    program = slow_program(base, 0.5)
+    supervisor = MpsSupervisor(Host(), str(base / "mps"), States(), find_program=lambda: program)
+    supervisor.apply([spec_in(base)])
+    time.sleep(0.2)
+    supervisor.stop()
+    time.sleep(1.0)  # what the wrapper started after the stop would be up by now
+    assert fakemps.daemon_pids(base / "mps") == {}
+
+
+def test_stopping_hung_daemons_is_bounded(base: Path) -> None:
+    program = str(fakemps.install(base / "bin"))
+    host = Host()
+    daemons = []
+    for n in range(3):
+        spec = DaemonSpec(
+            f"example.com/gpu{n}", str(base / "mps" / f"example.com/gpu{n}"), ("GPU-a",), 2, 50, (0,)
+        )
+        daemon = MpsDaemon(host, spec, program)
+        daemon.start()
+        daemons.append(daemon)
+    pids = [d.pid for d in daemons]
+    for pid in pids:
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)  # hung: answers nothing, not even quit
+    from gpunode.plugin.mps import stop_daemons
+
+    started = time.monotonic()
+    stop_daemons(daemons, 4.0)
+    took = time.monotonic() - started
+    assert all(gone(pid) for pid in pids), took
+    assert all(d.pidfd is None for d in daemons)
