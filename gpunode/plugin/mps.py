@@ -530,9 +530,10 @@ class MpsSupervisor:
         stop_daemons([self._watched.pop(n).daemon for n in gone], STOP_TIMEOUT)
         stale = [s for s in read_records(self.host, self.root) if s.resource not in wanted]
         if stale and self.program is not None:
+            # Their records go with them; without the control program they stay, to be stopped later.
             stop_daemons([MpsDaemon(self.host, s, self.program) for s in stale], STOP_TIMEOUT)
-        for spec in stale:
-            self.host.remove_file(posixpath.join(spec.root, RECORD))
+            for spec in stale:
+                self.host.remove_file(posixpath.join(spec.root, RECORD))
         for name, spec in wanted.items():
             if name not in self._watched:
                 self._watched[name] = _Watched(MpsDaemon(self.host, spec, self.program or CONTROL_PROGRAM))
