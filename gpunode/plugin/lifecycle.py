@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -37,11 +37,13 @@ from gpunode.plugin.devices import DeviceHealth, DeviceRegistry, Resource, Shari
 from gpunode.plugin.health import HealthMonitor
 from gpunode.plugin.logsafe import shown
 from gpunode.plugin.migwatch import MigWatcher
-from gpunode.plugin.mps import MpsSupervisor, daemon_specs, find_control_program
 from gpunode.plugin.observe import PluginObserver, start_observer
 from gpunode.plugin.preferred import Topology
 from gpunode.plugin.server import ResourceServer, ServeSettings, device_message
 from gpunode.plugin.watch import DirectoryWatch, DirEvent
+
+if TYPE_CHECKING:
+    from gpunode.plugin.mps import MpsSupervisor
 
 log = logging.getLogger("gpunode.plugin")
 pb_grpc: Any = deviceplugin_pb2_grpc  # generated, untyped
@@ -485,6 +487,10 @@ class Plugin:
     def _apply_mps(self, resources: tuple[Resource, ...], inventory: Inventory) -> None:
         """Want a control daemon for each MPS-shared resource (the supervisor starts, adopts or stops them);
         a resource whose daemon is not answering yet is served all-unhealthy until it does."""
+        if self._mps is None and not any(r.sharing == "mps" for r in resources):
+            return  # no MPS on this node: the module is not even imported (start-up, memory)
+        from gpunode.plugin.mps import MpsSupervisor, daemon_specs, find_control_program
+
         config = self.config
         specs = daemon_specs(
             resources,
