@@ -15,11 +15,17 @@ def now_rfc3339() -> str:
 
 
 def condition_ops(
-    node: dict[str, Any], condition: dict[str, Any] | None, now: str | None = None
+    node: dict[str, Any],
+    condition: dict[str, Any] | None,
+    now: str | None = None,
+    *,
+    heartbeat: bool = False,
 ) -> list[dict[str, Any]]:
     """JSON patch ops that make the node's GPUHealthy condition `condition` (type, status, reason, message;
-    None: remove it); [] when it is already so. Both times are set as kubelet sets its own: the heartbeat
-    at each write, the transition kept while the status stays."""
+    None: remove it); [] when it is already so, unless `heartbeat`: then an unchanged condition gets a new
+    lastHeartbeatTime, so that a condition nobody refreshes any more (the plugin gone) can be told from
+    a current one. Both times are set as kubelet sets its own: the heartbeat at each write, the
+    transition kept while the status stays."""
     stamp = now or now_rfc3339()
     status = node.get("status")
     conditions = status.get("conditions") if isinstance(status, dict) else None
@@ -35,7 +41,7 @@ def condition_ops(
             test = {"op": "test", "path": f"/status/conditions/{i}/type", "value": CONDITION}
             if value is None:
                 return [test, {"op": "remove", "path": f"/status/conditions/{i}"}]
-            if all(existing.get(k) == value[k] for k in ("status", "reason", "message")):
+            if all(existing.get(k) == value[k] for k in ("status", "reason", "message")) and not heartbeat:
                 return []
             if existing.get("status") == value["status"] and existing.get("lastTransitionTime"):
                 value["lastTransitionTime"] = existing["lastTransitionTime"]

@@ -45,6 +45,9 @@ QUEUE_SIZE = 64
 BURST = 10  # events sent at once before the rate limit holds
 REFILL = 6.0  # seconds per further event (10 a minute)
 TIMEOUTS = Timeouts(connect=3.0, read=5.0, total=8.0)
+# The condition's lastHeartbeatTime is renewed this often while nothing changes (kubelet reports its own
+# node status every 5 minutes when nothing changes, too): older than two of these, the plugin is gone.
+HEARTBEAT = 300.0
 XID_CATALOGUE = "https://docs.nvidia.com/deploy/xid-errors/"
 
 
@@ -86,8 +89,11 @@ class NodeReporter(HealthReporter):
         refill: float = REFILL,
         queue_size: int = QUEUE_SIZE,
         clock: Callable[[], float] = time.monotonic,
+        heartbeat: float = HEARTBEAT,
     ) -> None:
         self.node = node
+        self._heartbeat = heartbeat
+        self._current: dict[str, Any] | None = None  # the condition the API holds (last sent)
         self._connect = connect
         self._client: KubeClient | None = None
         self._queue: queue.Queue[dict[str, Any]] = queue.Queue(maxsize=queue_size)
@@ -255,8 +261,12 @@ class NodeReporter(HealthReporter):
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._wake.wait()
+            woken = self._wake.wait(self._heartbeat)
             self._wake.clear()
+            if not woken and self._current is not None and not self._stop.is_set():
+                # Nothing changed for a heartbeat: the same condition, its lastHeartbeatTime renewed.
+                self._send(self._condition_request(self._current, heartbeat=True), f"renew {CONDITION}")
+                continue
             while not self._stop.is_set():
                 try:
                     event = self._queue.get_nowait()
@@ -268,7 +278,9 @@ class NodeReporter(HealthReporter):
                 self._have_wanted = False
             if have and not self._stop.is_set():
                 ok = self._send(self._condition_request(wanted), f"set the {CONDITION} condition")
-                if not ok:
+                if ok:
+                    self._current = wanted
+                else:
                     with self._lock:
                         if not self._have_wanted:  # nothing newer: try this one again at the next wake
                             self._wanted, self._have_wanted = wanted, True
@@ -278,9 +290,13 @@ class NodeReporter(HealthReporter):
     def _event_request(self, event: dict[str, Any]) -> Callable[[KubeClient], object]:
         return lambda client: client.create_event(EVENT_NAMESPACE, event)
 
-    def _condition_request(self, wanted: dict[str, Any] | None) -> Callable[[KubeClient], object]:
+    def _condition_request(
+        self, wanted: dict[str, Any] | None, *, heartbeat: bool = False
+    ) -> Callable[[KubeClient], object]:
         def request(client: KubeClient) -> object:
-            return client.update_node_status(self.node, lambda node: condition_ops(node, wanted))
+            return client.update_node_status(
+                self.node, lambda node: condition_ops(node, wanted, heartbeat=heartbeat)
+            )
 
         return request
 

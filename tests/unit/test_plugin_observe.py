@@ -141,6 +141,10 @@ def test_condition_ops_add_keep_replace_remove() -> None:
     assert replace["value"]["lastTransitionTime"] == "2026-01-01T00:00:00Z"  # the status did not change
     assert condition_ops(node, None)[1] == {"op": "remove", "path": "/status/conditions/1"}
     assert condition_ops({"status": {}}, None) == []
+    # A heartbeat renews an unchanged condition's lastHeartbeatTime and keeps its transition.
+    _, beat = condition_ops(node, wanted, now="2026-01-04T00:00:00Z", heartbeat=True)
+    assert beat["value"]["lastHeartbeatTime"] == "2026-01-04T00:00:00Z"
+    assert beat["value"]["lastTransitionTime"] == "2026-01-01T00:00:00Z"
 
 
 class HangingClient:
@@ -267,6 +271,34 @@ def test_registration_failures_are_one_event_per_streak(pki: Pki) -> None:
         assert "UNAVAILABLE" in failed["message"] and "systemctl status kubelet" in failed["message"]
         assert back["reason"] == "DevicePluginRegistered" and back["type"] == "Normal"
         assert reporter.sent == 2 and reporter.failed == 0
+
+
+def test_the_condition_is_renewed_while_nothing_changes(pki: Pki) -> None:
+    """A heartbeat keeps GPUHealthy's lastHeartbeatTime current, so a condition left by a plugin that is
+    gone (nobody renews it) can be told from a current one."""
+    with ApiServer(pki) as api:
+        api.add_node("node-1")
+        api.node_identity("node-1")
+        reporter = NodeReporter("node-1", lambda: node_client(api, pki, "node-1"), heartbeat=0.3)
+
+        def gpu_healthy() -> dict[str, str] | None:
+            found = [c for c in api.node("node-1")["status"]["conditions"] if c["type"] == "GPUHealthy"]
+            return found[0] if found else None
+
+        try:
+            reporter.condition([], served=True)
+            wait_for(lambda: gpu_healthy() is not None)
+            first = gpu_healthy()
+            assert first is not None
+            # The times have whole seconds: wait for a renewal that shows.
+            wait_for(lambda: (gpu_healthy() or first)["lastHeartbeatTime"] != first["lastHeartbeatTime"])
+        finally:
+            reporter.stop(timeout=30)
+        renewed = gpu_healthy()
+        assert renewed is not None
+        assert renewed["lastTransitionTime"] == first["lastTransitionTime"]
+        assert (renewed["status"], renewed["reason"]) == ("True", "GPUsHealthy")
+        assert reporter.failed == 0
 
 
 def test_another_nodes_identity_is_refused_and_counted(pki: Pki, caplog: pytest.LogCaptureFixture) -> None:
