@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -368,13 +368,14 @@ class DeviceRegistry:
         # Resources whose every device is unhealthy for a reason outside the GPUs (an MPS control daemon
         # that is down): resource name -> why. Kept across replace(): the supervisor of that reason clears it.
         self._down: dict[str, str] = {}
+        self._gpu_uuid: dict[int, str] = {}  # index -> UUID of the GPUs known at the last replace()
         self._cond = threading.Condition()
         self._closed = False
         self.replace(resources)
 
     # -- writers --------------------------------------------------------------------------------
 
-    def replace(self, resources: Iterable[Resource]) -> None:
+    def replace(self, resources: Iterable[Resource], gpus: Mapping[str, int] | None = None) -> None:
         """Serve a new set of resources (after a reload, or a MIG change found by the MIG watcher).
 
         A resource's version moves (its ListAndWatch streams send again) only when what kubelet sees of it
@@ -384,18 +385,27 @@ class DeviceRegistry:
         Health marks follow their GPU by UUID, since a re-enumeration may change indexes; marks of GPUs
         that are gone are dropped. A mark on a MIG instance follows that instance by its MIG UUID and is
         dropped once the instance is gone: an instance created later with the same gi/ci ids is another
-        device and starts healthy.
+        device and starts healthy. `gpus` (GPU UUID -> index, from the discovery) keeps the marks of GPUs
+        that serve no device for a moment: a MIG GPU with every instance destroyed mid-repartition keeps
+        its Xid mark for the instances that come next.
         """
         with self._cond:
             old = self._states
             shown_before = {name: self._shown(s.resource) for name, s in old.items()}
-            old_uuid = {d.gpu_index: d.gpu_uuid for s in old.values() for d in s.resource.devices}
+            old_uuid = {
+                **self._gpu_uuid,
+                **{d.gpu_index: d.gpu_uuid for s in old.values() for d in s.resource.devices},
+            }
             old_mig = _mig_units(s.resource for s in old.values())
             self._states = {}
             for r in resources:
                 prev = old.get(r.name)
                 self._states[r.name] = _ResourceState(r, prev.version if prev else 0)
-            new_index = {d.gpu_uuid: d.gpu_index for s in self._states.values() for d in s.resource.devices}
+            new_index = {
+                **(gpus or {}),
+                **{d.gpu_uuid: d.gpu_index for s in self._states.values() for d in s.resource.devices},
+            }
+            self._gpu_uuid = {index: uuid for uuid, index in new_index.items()}
             new_mig = {
                 uuid: unit for unit, uuid in _mig_units(s.resource for s in self._states.values()).items()
             }

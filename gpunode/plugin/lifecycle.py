@@ -382,7 +382,7 @@ class Plugin:
             self._discovery_delay = 1.0
         if not self.simulated:
             self._apply_mps(resources, inventory)
-        self.registry.replace(resources)
+        self.registry.replace(resources, {g.uuid: g.index for g in inventory.gpus if g.uuid})
         for gpu in inventory.gpus:
             if gpu.lost:
                 self.registry.mark(Unit(gpu.index), "lost from the bus (at start)")

@@ -15,7 +15,7 @@ import pytest
 
 from gpunode.host import Host
 from gpunode.nvml import Inventory, discover
-from gpunode.plugin.devices import DeviceRegistry, Unit, build_resources
+from gpunode.plugin.devices import DeviceRegistry, Resource, Unit, build_resources
 from gpunode.plugin.migwatch import MigWatcher, describe_change, fingerprint_of
 from tests import fakenvml
 
@@ -321,3 +321,30 @@ def test_replace_drops_the_marks_of_gone_mig_instances(make_node: Callable[..., 
     assert [h.healthy for h in small] == [True, True]
     version, big = registry.snapshot("nvidia.com/mig-2g.10gb")
     assert [h.reason for h in big] == ["Xid 94"] and version == v2g
+
+
+def test_a_gpu_mark_survives_a_moment_with_no_instance_served(make_node: Callable[..., Node]) -> None:
+    """Mid-repartition a MIG GPU can serve no device at all; its GPU-wide mark (an Xid) must still be
+    there for the instances that come next, as long as the discovery still sees the GPU."""
+    node = make_node("mig")
+
+    def served() -> tuple[list[Resource], dict[str, int]]:
+        inventory = node.discover()
+        gpus = {g.uuid: g.index for g in inventory.gpus if g.uuid}
+        return list(build_resources(inventory, mig_strategy="mixed")), gpus
+
+    registry = DeviceRegistry(served()[0])
+    registry.mark(Unit(0), "Xid 48")
+    node.inject("mig-destroy 0 7", "mig-destroy 0 8", "mig-destroy 0 3")
+    registry.replace(*served())
+    assert registry.unhealthy_units() == {Unit(0): "Xid 48"}
+    node.inject("mig-create 0 3g.20gb 1")
+    registry.replace(*served())
+    [state] = registry.snapshot("nvidia.com/mig-3g.20gb")[1]
+    assert not state.healthy and state.reason == "Xid 48"
+    # Without the discovery's GPUs (the old behaviour) the mark had nothing to follow.
+    bare = DeviceRegistry(served()[0])
+    bare.mark(Unit(0), "Xid 48")
+    node.inject("mig-destroy 0 1")
+    bare.replace(served()[0])
+    assert bare.unhealthy_units() == {}
