@@ -261,7 +261,7 @@ class Plugin:
                 if kind == "reload":
                     self._reload()
                 elif kind == "rediscover":
-                    self._load_devices(first=False)
+                    self._rediscover("after NVML came back")
                 elif kind == "mig":
                     self._mig_changed()
                 elif kind == "fs" and isinstance(payload, DirEvent):
@@ -547,18 +547,25 @@ class Plugin:
         resources and stops those that are gone; resources that did not change keep their socket,
         registration and stream. Devices kubelet allocated are not touched (MIG instances in use cannot
         be destroyed)."""
+        self._rediscover("after a MIG change")
+
+    def _rediscover(self, when: str) -> None:
+        """Read the GPUs again (a MIG change, a discovery retried after NVML failed) and serve what is there;
+        a node that does not fit the settings now keeps what it serves."""
         try:
             self._load_devices(first=False)
         except ConfigError as err:
             # E.g. mig-strategy single while a repartition is half done (two profiles at once): keep what is
             # served; the watcher reports the next change, and SIGHUP re-reads at any time.
             log.error(
-                "after a MIG change: %s%s; keeping the resources served",
+                "%s: %s%s; keeping the resources served",
+                when,
                 err.message,
                 f" (fix: {err.fix})" if err.fix else "",
             )
             return
-        # Servers that stay answer Allocate for new MIG devices too: their device nodes (nvidia-caps) are new.
+        # Servers that stay answer Allocate for new devices too: their device nodes (MIG nvidia-caps) and
+        # the topology are the new discovery's.
         settings = self._serve_settings()
         for served in self._served.values():
             served.server.service.update(self._topology, settings)

@@ -13,10 +13,10 @@ changes two ways:
   and a MIG mode flip comes with a GPU reset, not with an event. Where every GPU has the event the read
   is slower (`slow_poll_interval`): it is the safety net, not the path.
 
-A repartition is a burst (destroy seven instances, create seven): a read is made only once no event came
-for `DEBOUNCE_S`, and a difference found by a periodic read is confirmed by a second read `DEBOUNCE_S`
-later, so one repartition makes one or a few re-discoveries, not one per instance. Nothing waits longer
-than `MAX_DELAY_S` after the first sign of a change, however long the burst.
+A repartition is a series of steps (destroy seven instances, create seven, each an `nvidia-smi` run): a
+read is made only once no event came for `DEBOUNCE_S` (1 s), and a difference found by a periodic read is
+confirmed by a second read `DEBOUNCE_S` later, so kubelet is not shown each half-done layout. Nothing waits
+longer than `MAX_DELAY_S` after the first sign of a change, however long the steps go on.
 
 NVML failures never mark anything unhealthy (that is the health monitor's business); they are logged and
 retried with backoff. A GPU that cannot be read (lost, refused) keeps its last known fingerprint. Every
@@ -47,8 +47,11 @@ INVALID_ARGUMENT = 2
 
 POLL_INTERVAL_S = 5.0  # a periodic read while some MIG-capable GPU has no MIG event
 SLOW_POLL_INTERVAL_S = 30.0  # ... while every one has it: mode flips by reset send no event
-DEBOUNCE_S = 0.05  # quiet after the last event before reading (a repartition is a burst)
-MAX_DELAY_S = 1.0  # never later than this after the first sign of a change
+# Quiet after the last event before reading. A repartition is a series of steps (nvidia-smi mig -dci, -dgi,
+# -cgi, -cci, or a MIG manager's calls), each a process of its own, hundreds of milliseconds apart: a
+# shorter quiet served every half-done layout in turn (kubelet would schedule onto capacity about to go).
+DEBOUNCE_S = 1.0
+MAX_DELAY_S = 10.0  # never later than this after the first sign of a change, however long the steps go on
 WAIT_SLICE_S = 0.25  # the longest single wait: how late stop() can be noticed
 BACKOFF_FIRST_S = 0.1
 BACKOFF_MAX_S = 10.0
@@ -232,7 +235,6 @@ class MigWatcher:
                 try:
                     if not self._initialised or self._event_set is None or self._take_rearm():
                         self._arm()
-                        backoff.reset()
                     now = self._clock()
                     if now >= check_at:
                         event_driven = pending_since is not None and confirm is None
@@ -253,6 +255,7 @@ class MigWatcher:
                             pending_since = pending_since if pending_since is not None else now
                             confirm = seen
                             check_at = now + self._debounce
+                            backoff.reset()
                             continue
                         check_at = now + self._interval()
                     if self._wait_for_event(check_at):
@@ -260,6 +263,9 @@ class MigWatcher:
                         pending_since = pending_since if pending_since is not None else now
                         confirm = None
                         check_at = min(now + self._debounce, pending_since + MAX_DELAY_S)
+                    # A whole read-and-wait went through: only now is the trouble over (an arm that works
+                    # followed by a wait that keeps failing must still back off).
+                    backoff.reset()
                 except _NvmlGone:
                     self._initialised = False
                     self._disarm()

@@ -5,6 +5,7 @@ where the GPU lists it and without it. Waits poll with generous deadlines; nothi
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -348,3 +349,27 @@ def test_a_gpu_mark_survives_a_moment_with_no_instance_served(make_node: Callabl
     node.inject("mig-destroy 0 1")
     bare.replace(served()[0])
     assert bare.unhealthy_units() == {}
+
+
+def test_a_wait_that_keeps_failing_backs_off(
+    make_node: Callable[..., Node], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Arming works, every wait fails: the retries must still back off (a successful arm used to reset the
+    backoff, and the watcher retried every 0.1 s for ever, two log lines each time)."""
+    caplog.set_level(logging.INFO, logger="gpunode.plugin.migwatch")
+    node = make_node(
+        None,
+        config="[system]\nunsupported = nvmlEventSetWait_v2\n[gpu]\nname = NVIDIA A100-SXM4-40GB\n"
+        "memory_total = 40960 MiB\nmig_capable = 1\nmig_mode = 1\n[mig]\n"
+        "name = NVIDIA A100-SXM4-40GB MIG 1g.5gb\nmemory_total = 4864 MiB\ngpu_instance_id = 7\n"
+        "compute_instance_id = 0\n",
+    )
+    node.watch()
+
+    def delays() -> list[float]:
+        found = re.findall(r"trying again in ([0-9.]+)s", caplog.text)
+        return [float(d) for d in found]
+
+    assert until(lambda: len(delays()) >= 4)
+    first = delays()[:4]
+    assert first == sorted(first) and first[3] > first[0], first
