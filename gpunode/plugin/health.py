@@ -41,6 +41,7 @@ from gpunode.errors import ConfigError
 from gpunode.nvml.discovery import FUNCTION_NOT_FOUND, GPU_IS_LOST, NO_PERMISSION, NOT_SUPPORTED, session_lock
 from gpunode.nvml.model import Gpu, MigDevice
 from gpunode.plugin.devices import DeviceRegistry, Unit
+from gpunode.plugin.nvmlthread import TIMEOUT, UNINITIALIZED, Backoff, NvmlThread, nvml_code, nvml_text
 
 LOGGER_NAME = "gpunode.plugin.health"
 
@@ -56,14 +57,10 @@ EVENT_DOUBLE_BIT_ECC = 0x2
 EVENT_XID = 0x8
 WATCHED_EVENTS = EVENT_XID | EVENT_DOUBLE_BIT_ECC
 NO_INSTANCE = 0xFFFFFFFF  # gpuInstanceId / computeInstanceId of an event for the whole GPU
-UNINITIALIZED = 1
-TIMEOUT = 10
 # NVML's "I cannot / may not tell you": the GPU may be perfectly fine, we just cannot watch it.
 CANNOT_MONITOR = frozenset({NOT_SUPPORTED, NO_PERMISSION, FUNCTION_NOT_FOUND})
 
 WAIT_SLICE_S = 0.25  # the longest single nvmlEventSetWait: how late stop() can be noticed
-BACKOFF_FIRST_S = 0.1
-BACKOFF_MAX_S = 10.0
 RECHECK_MAX_S = 5.0  # while something is unhealthy, probe it at least this often
 
 LOST_REASON = "lost from the bus (NVML: GPU is lost)"
@@ -243,24 +240,11 @@ class _Trouble:
     next_check: float
 
 
-@dataclass
-class _Backoff:
-    delay: float = BACKOFF_FIRST_S
-    failures: int = 0
-
-    def next(self) -> float:
-        current = self.delay
-        self.failures += 1
-        self.delay = min(self.delay * 2, BACKOFF_MAX_S)
-        return current
-
-    def reset(self) -> None:
-        self.delay = BACKOFF_FIRST_S
-        self.failures = 0
-
-
-class HealthMonitor:
+class HealthMonitor(NvmlThread):
     """Watches the GPUs of one discovery and marks units unhealthy (and healthy again) in the registry."""
+
+    THREAD_NAME = "gpunode-health"
+    WHAT = "the health thread"
 
     def __init__(
         self,
@@ -270,9 +254,9 @@ class HealthMonitor:
         log: logging.Logger | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        super().__init__(log or logging.getLogger(LOGGER_NAME))
         self._registry = registry
         self._settings = settings
-        self._log = log or logging.getLogger(LOGGER_NAME)
         self._clock = clock
         self._watched: dict[int, _Watched] = {}
         for gpu in gpus:
@@ -282,8 +266,6 @@ class HealthMonitor:
                 continue
             self._watched[gpu.index] = _Watched(gpu.index, gpu.uuid, gpu.mig_devices)
         self._troubles: dict[Unit, _Trouble] = {}
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
         self._ready = threading.Event()
         self._arms = 0
         self._nvml: Any = None
@@ -297,32 +279,11 @@ class HealthMonitor:
         if not self._settings.enabled:
             self._log.info("GPU health checks are off (configuration or %s); no GPU is watched", ENV_DISABLE)
             return
-        if self._thread is not None:
-            return
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="gpunode-health", daemon=True)
-        self._thread.start()
-
-    def stop(self, timeout: float = 5.0) -> bool:
-        """Stop the thread and release NVML; True once the thread is gone (or was never started)."""
-        self._stop.set()
-        thread = self._thread
-        if thread is None:
-            return True
-        thread.join(timeout)
-        if thread.is_alive():
-            self._log.warning("the health thread did not stop within %.1fs", timeout)
-            return False
-        self._thread = None
-        return True
+        self._start_thread()
 
     def wait_ready(self, timeout: float) -> bool:
         """Block until events are registered and the thread is waiting for them; False on timeout."""
         return self._ready.wait(timeout)
-
-    @property
-    def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
 
     @property
     def arms(self) -> int:
@@ -335,7 +296,7 @@ class HealthMonitor:
         import pynvml
 
         self._nvml = pynvml
-        backoff = _Backoff()
+        backoff = Backoff()
         try:
             while not self._stop.is_set():
                 try:
@@ -391,7 +352,7 @@ class HealthMonitor:
         try:
             self._event_set = nvml.nvmlEventSetCreate()
         except nvml.NVMLError as exc:
-            if _code(exc) == UNINITIALIZED:
+            if nvml_code(exc) == UNINITIALIZED:
                 raise _NvmlGone from exc
             self._log.warning("creating an NVML event set failed: %s", exc)
             # No event set, no events: every GPU stays schedulable, and says it is not watched.
@@ -453,7 +414,7 @@ class HealthMonitor:
                 try:
                     supported = int(nvml.nvmlDeviceGetSupportedEventTypes(handle))
                 except nvml.NVMLError as exc:
-                    if _code(exc) not in CANNOT_MONITOR:
+                    if nvml_code(exc) not in CANNOT_MONITOR:
                         raise
                     # Older drivers lack the query but still deliver events: try what we watch.
                     supported = WATCHED_EVENTS
@@ -464,7 +425,7 @@ class HealthMonitor:
                 else:
                     unmonitored = "it supports no Xid or double-bit ECC events"
         except nvml.NVMLError as exc:
-            code = _code(exc)
+            code = nvml_code(exc)
             if code == UNINITIALIZED:
                 raise _NvmlGone from exc
             if code == GPU_IS_LOST:
@@ -485,7 +446,7 @@ class HealthMonitor:
         try:
             nvml.nvmlDeviceRegisterEvents(handle, wanted, self._event_set)
         except nvml.NVMLError as exc:
-            if _code(exc) not in CANNOT_MONITOR or wanted == EVENT_XID or not wanted & EVENT_XID:
+            if nvml_code(exc) not in CANNOT_MONITOR or wanted == EVENT_XID or not wanted & EVENT_XID:
                 raise
             # A GPU without ECC refuses the ECC event, and a driver may refuse the pair where it takes
             # Xids alone: those are the events that matter most.
@@ -502,10 +463,10 @@ class HealthMonitor:
         try:
             return nvml.nvmlDeviceGetHandleByUUID(uuid)
         except nvml.NVMLError as exc:
-            if _code(exc) not in (NOT_SUPPORTED, FUNCTION_NOT_FOUND) or index is None:
+            if nvml_code(exc) not in (NOT_SUPPORTED, FUNCTION_NOT_FOUND) or index is None:
                 raise
         handle = nvml.nvmlDeviceGetHandleByIndex(index)
-        return handle if _text(nvml.nvmlDeviceGetUUID(handle)) == uuid else None
+        return handle if nvml_text(nvml.nvmlDeviceGetUUID(handle)) == uuid else None
 
     def _set_unmonitored(self, watched: _Watched, reason: str | None) -> None:
         if not self._registry.set_unmonitored(watched.uuid, watched.index, reason):
@@ -523,13 +484,13 @@ class HealthMonitor:
         for watched in self._watched.values():
             self._set_unmonitored(watched, reason)
 
-    def _wait_once(self, backoff: _Backoff) -> None:
+    def _wait_once(self, backoff: Backoff) -> None:
         nvml = self._nvml
         timeout_ms = math.ceil(self._wait_timeout() * 1000)
         try:
             data = nvml.nvmlEventSetWait_v2(self._event_set, timeout_ms)
         except nvml.NVMLError as exc:
-            code = _code(exc)
+            code = nvml_code(exc)
             if code == TIMEOUT:
                 backoff.reset()
             elif code == GPU_IS_LOST:
@@ -596,7 +557,7 @@ class HealthMonitor:
                 return watched
         # A handle from outside our lookups: ask for its UUID (fails on a lost GPU).
         try:
-            uuid = _text(self._nvml.nvmlDeviceGetUUID(handle))
+            uuid = nvml_text(self._nvml.nvmlDeviceGetUUID(handle))
         except self._nvml.NVMLError:
             return None
         for watched in self._watched.values():
@@ -634,7 +595,7 @@ class HealthMonitor:
         lost = new = 0
         for watched in self._watched.values():
             failure = self._probe(watched.uuid, watched.index)
-            if failure is not None and _code(failure) == GPU_IS_LOST:
+            if failure is not None and nvml_code(failure) == GPU_IS_LOST:
                 lost += 1
                 trouble = self._troubles.get(Unit(watched.index))
                 new += trouble is None or trouble.reason != LOST_REASON
@@ -665,7 +626,7 @@ class HealthMonitor:
 
     def _probe_failed(self, unit: Unit, exc: Exception, now: float) -> None:
         """A registration found the GPU lost (the only failure _register reports)."""
-        if _code(exc) == UNINITIALIZED:
+        if nvml_code(exc) == UNINITIALIZED:
             raise _NvmlGone from exc
         watched = self._watched.get(unit.gpu_index)
         if watched is not None and unit.instance is None:
@@ -693,7 +654,7 @@ class HealthMonitor:
             failure = self._probe_unit(watched, unit)
             if failure is not None:
                 # Still bad: the quiet period starts over; a lost GPU is named as such.
-                reason = LOST_REASON if _code(failure) == GPU_IS_LOST else trouble.reason
+                reason = LOST_REASON if nvml_code(failure) == GPU_IS_LOST else trouble.reason
                 if reason != trouble.reason:
                     self._mark_bad(unit, reason, now)
                 trouble.since = now
@@ -732,7 +693,7 @@ class HealthMonitor:
             if handle is not None:
                 nvml.nvmlDeviceGetMemoryInfo(handle)
         except nvml.NVMLError as exc:
-            code = _code(exc)
+            code = nvml_code(exc)
             if code == UNINITIALIZED:
                 raise _NvmlGone from exc
             if code in CANNOT_MONITOR:
@@ -752,23 +713,12 @@ class HealthMonitor:
         return f"MIG device gi {gi} ci {ci}{name} on {gpu}"
 
 
-def _code(exc: BaseException) -> int | None:
-    code = getattr(exc, "value", None)
-    return code if isinstance(code, int) else None
-
-
 def _address(handle: Any) -> int | None:
     try:
         value = ctypes.cast(handle, ctypes.c_void_p).value
     except (TypeError, ctypes.ArgumentError):
         return None
     return int(value) if value else None
-
-
-def _text(value: object) -> str:
-    if isinstance(value, bytes):
-        return value.decode("utf-8", "replace").rstrip("\x00")
-    return str(value)
 
 
 def _event_names(mask: int) -> str:

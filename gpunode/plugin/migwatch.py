@@ -31,19 +31,21 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from contextlib import suppress
-from dataclasses import dataclass
 from typing import Any
 
-from gpunode.nvml.discovery import FUNCTION_NOT_FOUND, NOT_SUPPORTED, session_lock
+from gpunode.nvml.discovery import (
+    FUNCTION_NOT_FOUND,
+    INVALID_ARGUMENT,
+    NOT_FOUND,
+    NOT_SUPPORTED,
+    session_lock,
+)
 from gpunode.nvml.model import Gpu
+from gpunode.plugin.nvmlthread import TIMEOUT, UNINITIALIZED, Backoff, NvmlThread, nvml_code, nvml_text
 
 LOGGER_NAME = "gpunode.plugin.migwatch"
 
 EVENT_MIG_CONFIG_CHANGE = 0x100  # nvml.h nvmlEventMigConfigChange
-TIMEOUT = 10  # NVML_ERROR_TIMEOUT
-UNINITIALIZED = 1
-NOT_FOUND = 6
-INVALID_ARGUMENT = 2
 
 POLL_INTERVAL_S = 5.0  # a periodic read while some MIG-capable GPU has no MIG event
 SLOW_POLL_INTERVAL_S = 30.0  # ... while every one has it: mode flips by reset send no event
@@ -53,8 +55,6 @@ SLOW_POLL_INTERVAL_S = 30.0  # ... while every one has it: mode flips by reset s
 DEBOUNCE_S = 1.0
 MAX_DELAY_S = 10.0  # never later than this after the first sign of a change, however long the steps go on
 WAIT_SLICE_S = 0.25  # the longest single wait: how late stop() can be noticed
-BACKOFF_FIRST_S = 0.1
-BACKOFF_MAX_S = 10.0
 
 # One GPU: (MIG mode on, ((MIG UUID, gi, ci), ...) sorted). None for the mode when NVML has no MIG mode.
 GpuPrint = tuple[bool | None, tuple[tuple[str, int | None, int | None], ...]]
@@ -100,20 +100,7 @@ class _NvmlGone(Exception):
     """Internal: NVML says it is not initialised any more; initialise it again."""
 
 
-@dataclass
-class _Backoff:
-    delay: float = BACKOFF_FIRST_S
-
-    def next(self) -> float:
-        current = self.delay
-        self.delay = min(self.delay * 2, BACKOFF_MAX_S)
-        return current
-
-    def reset(self) -> None:
-        self.delay = BACKOFF_FIRST_S
-
-
-class MigWatcher:
+class MigWatcher(NvmlThread):
     """Watches the MIG geometry of one discovery's GPUs; calls `on_change()` when it differs from it.
 
     `on_change` runs on the watcher's thread and must only post to the plugin's queue. After it ran, the
@@ -131,19 +118,17 @@ class MigWatcher:
         log: logging.Logger | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        super().__init__(log or logging.getLogger(LOGGER_NAME))
         self._on_change = on_change
         self._poll_interval = poll_interval
         self._slow_poll_interval = max(slow_poll_interval, poll_interval)
         self._debounce = debounce
-        self._log = log or logging.getLogger(LOGGER_NAME)
         self._clock = clock
         self._lock = threading.Lock()  # guards _served and _gpus, which update() replaces
         self._gpus: dict[str, int] = {}  # UUID -> index (for log lines and the lookup by index)
         self._served: Fingerprint = {}
         self._rearm = False
         self._set_gpus(gpus)
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
         self._ready = threading.Event()
         self._nvml: Any = None
         self._initialised = False
@@ -159,25 +144,11 @@ class MigWatcher:
 
     # -- control ----------------------------------------------------------------------------------
 
-    def start(self) -> None:
-        if self._thread is not None:
-            return
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="gpunode-migwatch", daemon=True)
-        self._thread.start()
+    THREAD_NAME = "gpunode-migwatch"
+    WHAT = "the MIG watcher"
 
-    def stop(self, timeout: float = 5.0) -> bool:
-        """Stop the thread and give NVML back; True once it is gone (or was never started)."""
-        self._stop.set()
-        thread = self._thread
-        if thread is None:
-            return True
-        thread.join(timeout)
-        if thread.is_alive():
-            self._log.warning("the MIG watcher did not stop within %.1fs", timeout)
-            return False
-        self._thread = None
-        return True
+    def start(self) -> None:
+        self._start_thread()
 
     def update(self, gpus: Sequence[Gpu]) -> None:
         """What the plugin serves now (after its discovery). Cheaper than a new watcher: no NVML init, no
@@ -187,10 +158,6 @@ class MigWatcher:
     def wait_ready(self, timeout: float) -> bool:
         """Block until the watcher has read the GPUs once (events registered where they can be)."""
         return self._ready.wait(timeout)
-
-    @property
-    def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
 
     @property
     def with_events(self) -> frozenset[str]:
@@ -226,7 +193,7 @@ class MigWatcher:
         import pynvml
 
         self._nvml = pynvml
-        backoff = _Backoff()
+        backoff = Backoff()
         pending_since: float | None = None  # first sign of a change not yet acted on
         check_at = 0.0  # read now: a change between the plugin's discovery and this start is not missed
         confirm: Fingerprint | None = None  # a periodic read that differed, waiting to be confirmed
@@ -347,7 +314,7 @@ class MigWatcher:
             # (DCGM registers this event apart for the same reason).
             nvml.nvmlDeviceRegisterEvents(handle, EVENT_MIG_CONFIG_CHANGE, self._event_set)
         except nvml.NVMLError as exc:
-            if _code(exc) == UNINITIALIZED:
+            if nvml_code(exc) == UNINITIALIZED:
                 raise _NvmlGone from exc
             # Lost, refused, unknown: the periodic read still covers this GPU.
             self._log.debug("MIG watcher: no MIG event on GPU %s (%s)", uuid, exc)
@@ -375,7 +342,7 @@ class MigWatcher:
             try:
                 data = nvml.nvmlEventSetWait_v2(self._event_set, max(1, math.ceil(slice_s * 1000)))
             except nvml.NVMLError as exc:
-                code = _code(exc)
+                code = nvml_code(exc)
                 if code == TIMEOUT:
                     continue
                 if code == UNINITIALIZED:
@@ -397,7 +364,7 @@ class MigWatcher:
             try:
                 out[uuid] = self._read_gpu(nvml.nvmlDeviceGetHandleByUUID(uuid))
             except nvml.NVMLError as exc:
-                if _code(exc) == UNINITIALIZED:
+                if nvml_code(exc) == UNINITIALIZED:
                     raise _NvmlGone from exc
                 self._log.debug("MIG watcher: GPU %s not read (%s)", uuid, exc)
                 if uuid in served:
@@ -409,7 +376,7 @@ class MigWatcher:
         try:
             current = bool(nvml.nvmlDeviceGetMigMode(handle)[0])
         except nvml.NVMLError as exc:
-            if _code(exc) not in (NOT_SUPPORTED, FUNCTION_NOT_FOUND):
+            if nvml_code(exc) not in (NOT_SUPPORTED, FUNCTION_NOT_FOUND):
                 raise
             return (None, ())
         if not current:
@@ -419,12 +386,12 @@ class MigWatcher:
             try:
                 mig = nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)
             except nvml.NVMLError as exc:
-                if _code(exc) in (NOT_FOUND, INVALID_ARGUMENT):
+                if nvml_code(exc) in (NOT_FOUND, INVALID_ARGUMENT):
                     continue  # an empty slot
                 raise
             devices.append(
                 (
-                    _text(nvml.nvmlDeviceGetUUID(mig)),
+                    nvml_text(nvml.nvmlDeviceGetUUID(mig)),
                     self._soft(nvml.nvmlDeviceGetGpuInstanceId, mig),
                     self._soft(nvml.nvmlDeviceGetComputeInstanceId, mig),
                 )
@@ -436,24 +403,13 @@ class MigWatcher:
         try:
             return int(fn(handle))
         except self._nvml.NVMLError as exc:
-            if _code(exc) not in (NOT_SUPPORTED, FUNCTION_NOT_FOUND):
+            if nvml_code(exc) not in (NOT_SUPPORTED, FUNCTION_NOT_FOUND):
                 raise
             return None
 
 
-def _code(exc: BaseException) -> int | None:
-    code = getattr(exc, "value", None)
-    return code if isinstance(code, int) else None
-
-
 def _why(exc: BaseException) -> str:
-    return f"NVML: {exc}" if _code(exc) is not None else f"{type(exc).__name__}: {exc}"
-
-
-def _text(value: object) -> str:
-    if isinstance(value, bytes):
-        return value.decode("utf-8", "replace").rstrip("\x00")
-    return str(value)
+    return f"NVML: {exc}" if nvml_code(exc) is not None else f"{type(exc).__name__}: {exc}"
 
 
 __all__ = ["EVENT_MIG_CONFIG_CHANGE", "POLL_INTERVAL_S", "MigWatcher", "describe_change", "fingerprint_of"]
