@@ -248,9 +248,18 @@ def test_a_hanging_api_never_delays_health_or_allocate(
         fakenvml.inject(control, "xid 2 79")
         kubelet.wait_for_devices(GPU, lambda d: any(x.health == UNHEALTHY for x in d))
         kubelet.allocate(GPU, [[devices[0].id]])
-        samples = scrape(f"127.0.0.1:{port}")
+        # The device gauges follow the plugin's event loop, which takes the health change after the
+        # ListAndWatch stream has sent it: a scrape can come between the two, so wait for the loop.
+        samples = wait_until(
+            lambda: (
+                (s := scrape(f"127.0.0.1:{port}"))
+                and value(s, "gpunode_resource_devices_healthy", resource=GPU) == 3
+                and s
+            ),
+            "the Xid never reached the metrics",
+            plugin,
+        )
         assert value(samples, "gpunode_allocations_total", resource=GPU) == 1
-        assert value(samples, "gpunode_resource_devices_healthy", resource=GPU) == 3
         # Nothing reached the API: the plugin did all of the above with its requests still hanging.
         assert api.requests == [] and api.events == []
         assert condition(api) is None
