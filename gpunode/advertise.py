@@ -161,9 +161,10 @@ def plugin_owner(host: Host, resource: str) -> str | None:
 def plugin_sharing(host: Host) -> Sharing:
     """The installed plugin's sharing, time-slicing or MPS (its config file: TOML or NVIDIA's), or none.
 
-    With per-resource sharing (time-slicing.resources) the replicas are those of the whole-GPU resource
-    (resource-name), as GFD labels them, else of the first shared resource; a per-resource rename counts
-    as a rename (the product label then needs no -SHARED)."""
+    With per-resource sharing (time-slicing.resources, mps.resources) the replicas are those of the
+    whole-GPU resource (resource-name), as GFD labels them: where only other resources are shared (MIG
+    profiles, say) the gpu.* labels say 1 and none, as GFD's do, and only mps.capable tells of MPS. A
+    per-resource rename counts as a rename (the product label then needs no -SHARED)."""
     config = _plugin_config(host)
     if config is None:
         return Sharing()
@@ -173,7 +174,9 @@ def plugin_sharing(host: Host) -> Sharing:
         return Sharing(replicas=config.replicas, rename_by_default=config.rename_by_default)
     domain = config.resource_name.split("/", 1)[0]
     full = [e for e in entries if (e.name if "/" in e.name else f"{domain}/{e.name}") == config.resource_name]
-    entry = (full or entries)[0]
+    if not full:
+        return Sharing(mps=mps)
+    entry = full[0]
     return Sharing(
         replicas=entry.replicas, rename_by_default=config.rename_by_default or bool(entry.rename), mps=mps
     )

@@ -84,7 +84,9 @@ def gpu_labels(inventory: Inventory, sharing: Sharing = Sharing()) -> dict[str, 
         # (its node selector) whether the node shares through MPS.
         strategy = ("mps" if sharing.mps else "time-slicing") if shared else "none"
         labels["gpu.sharing-strategy"] = strategy
-        labels["mps.capable"] = "true" if strategy == "mps" else "false"
+        # GFD: true whenever the node's sharing is MPS, also where only other resources than nvidia.com/gpu
+        # are shared (gpu.replicas and gpu.sharing-strategy then say 1 and none, as GFD's do).
+        labels["mps.capable"] = "true" if sharing.mps else "false"
         # The driver's and CUDA's versions only where there is a GPU to run on (the docstring's promise:
         # a node without GPUs carries nothing a GPU workload could select it by).
         if inventory.driver_version:

@@ -27,7 +27,7 @@ def _plain(value: Any) -> Any:
 def render(text: str, path: str) -> str:
     """The gpunode TOML for NVIDIA's config `text` (read from `path`); ConfigError as `plugin run` would
     refuse the file."""
-    from gpunode.plugin.config import OPTIONS, _comment, _toml_value
+    from gpunode.plugin.config import OPTIONS, PluginConfig, _check_combination, _comment, _toml_value
     from gpunode.plugin.nvidia_config import is_nvidia_config, translate
 
     if not is_nvidia_config(text):
@@ -39,6 +39,7 @@ def render(text: str, path: str) -> str:
     top: list[str] = []
     tables: dict[str, list[str]] = {}
     notes: list[str] = []
+    values: dict[str, Any] = {}
     for setting in translate(text, path):
         origin = _comment(f"{setting.key} (line {setting.line})")
         if setting.option is None:
@@ -46,10 +47,15 @@ def render(text: str, path: str) -> str:
             continue
         option = by_name[setting.option]
         where = f"{setting.key} ({path}, line {setting.line})"
-        value = _plain(option.parse(setting.value, where))
+        parsed = option.parse(setting.value, where)
+        values[option.name] = parsed
+        value = _plain(parsed)
         table, dot, key = option.key.rpartition(".")
         line = f"{key} = {_toml_value(value)}  # from NVIDIA's {origin}"
         (tables.setdefault(table, []) if dot else top).append(line)
+    # What the plugin refuses as a whole (MPS with MIG, MPS and time-slicing at once) is refused here too:
+    # printing TOML for it would hand the operator a file the plugin does not start with.
+    _check_combination(PluginConfig(**values))
     header = [
         f"# gpunode device-plugin config, translated from NVIDIA's {_comment(path)}",
         "# by `gpunode plugin import-config`; keys not set here keep gpunode's defaults",

@@ -37,13 +37,28 @@ _SCHEMA: dict[str, Any] = {
         "gdsEnabled": "gds_enabled",
         "mofedEnabled": "mofed_enabled",
         "gdrcopyEnabled": "gdrcopy_enabled",
+        "useNodeFeatureAPI": "",
+        "deviceDiscoveryStrategy": "",
+        "restartOnDeviceUnhealthy": "",
         "plugin": {
             "passDeviceSpecs": "pass_device_specs",
             "deviceListStrategy": "device_list_strategy",
             "deviceIDStrategy": "device_id_strategy",
             "cdiAnnotationPrefix": "cdi_annotation_prefix",
             "containerDriverRoot": "",
+            "nvidiaCTKPath": "",
+            "cdiFeatureFlags": "",
+            "kubeletSocket": "socket_dir",
             "sharedDevicesAllocationPolicy": "placement",
+        },
+        # GPU feature discovery's own settings: NVIDIA's plugin and GFD read one file, so NVIDIA's example
+        # configs carry this block (dp-example-config.yaml).
+        "gfd": {
+            "oneshot": "",
+            "noTimestamp": "",
+            "sleepInterval": "",
+            "outputFile": "",
+            "machineTypeFile": "",
         },
     },
     "sharing": {
@@ -73,7 +88,25 @@ NOTES = {
         "where NVIDIA's containerised plugin sees the driver root; gpunode runs on the host and reads the "
         "driver at driver-root (nvidiaDriverRoot)"
     ),
+    "flags.plugin.nvidiaCTKPath": (
+        "the nvidia-ctk NVIDIA's plugin runs to write CDI specs; gpunode writes its CDI spec itself "
+        "(`gpunode cdi generate`)"
+    ),
+    "flags.plugin.cdiFeatureFlags": "nvidia-ctk's CDI feature flags; gpunode writes its CDI spec itself",
+    "flags.useNodeFeatureAPI": (
+        "GPU feature discovery's way of writing labels (NodeFeature objects); `gpunode node advertise` "
+        "sets the labels"
+    ),
+    "flags.deviceDiscoveryStrategy": "gpunode finds the GPUs through NVML (nvml or auto)",
+    "flags.restartOnDeviceUnhealthy": (
+        "gpunode marks a device unhealthy and healthy again without a restart (health.recovery-quiet-period)"
+    ),
+    "flags.gfd": "GPU feature discovery's settings; `gpunode node advertise` sets GFD's labels",
 }
+# Keys whose only meaningful values here are these (others are refused: gpunode cannot do what they ask).
+_ONLY = {"flags.deviceDiscoveryStrategy": ("auto", "nvml")}
+# YAML's merge key (`<<: *defaults`): NVIDIA's reader resolves it, so the keys it brings are checked too.
+_MERGE_TAG = "tag:yaml.org,2002:merge"
 # NVIDIA's allocation policy names -> gpunode's placement.
 _POLICIES = {"distributed": "spread", "packed": "packed"}
 
@@ -100,11 +133,28 @@ def is_toml(text: str) -> bool:
     return True
 
 
+def _yaml_text(text: str) -> str:
+    """The text as PyYAML should read it. JSON may be indented with tabs, which NVIDIA's reader
+    (sigs.k8s.io/yaml) takes and PyYAML's scanner refuses; in valid JSON a raw tab is only ever
+    whitespace (a tab inside a string must be escaped), so expanding tabs changes no value and keeps
+    every line number."""
+    if "\t" not in text:
+        return text
+    import json
+
+    try:
+        json.loads(text)
+    except ValueError:
+        return text
+    return text.expandtabs()
+
+
 def is_nvidia_config(text: str) -> bool:
     """Whether text (already found not to be TOML) is NVIDIA's config: a YAML or JSON mapping with
     `version`, or with nothing but NVIDIA's top-level keys."""
     import yaml
 
+    text = _yaml_text(text)
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError:
@@ -132,6 +182,7 @@ def translate(text: str, path: str) -> list[Setting]:
     take as NVIDIA's plugin would (an unknown key, a bad value, MPS sharing)."""
     import yaml
 
+    text = _yaml_text(text)
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
         data = yaml.safe_load(text)
@@ -163,7 +214,7 @@ def _walk(
             f"{path}, line {node.start_mark.line + 1}: {prefix.rstrip('.') or 'the file'} must be a mapping",
             f"correct {path}",
         )
-    for key_node, value_node in node.value:
+    for key_node, value_node in _pairs(node):
         key = str(key_node.value)
         dotted = f"{prefix}{key}"
         line = key_node.start_mark.line + 1
@@ -175,11 +226,34 @@ def _walk(
             )
         target = schema[key]
         value = data[key]
+        if value is None:
+            # `sharing:` with nothing under it, or `migStrategy: null`: NVIDIA's reader leaves the field
+            # unset (its default), and so does gpunode.
+            continue
         if isinstance(target, dict):
-            if value is None:  # `sharing:` with nothing under it, as YAML allows
-                continue
             _walk(value_node, value, target, f"{dotted}.", path=path, out=out)
             continue
+        note = NOTES.get(dotted) or NOTES.get(prefix.rstrip("."), "")
+        if dotted in _ONLY and value not in _ONLY[dotted]:
+            raise ConfigError(
+                f"{path}, line {line}: {dotted}: {value!r} is not supported by gpunode",
+                f"use {' or '.join(_ONLY[dotted])}: {note}",
+            )
+        if dotted == "flags.plugin.kubeletSocket":
+            # NVIDIA's plugin takes kubelet.sock's path; gpunode takes the directory it is in (where the
+            # plugin's own sockets go too, as kubelet requires).
+            if not isinstance(value, str) or not value.startswith("/") or not value.endswith("/kubelet.sock"):
+                raise ConfigError(
+                    f"{path}, line {line}: {dotted}: {value!r} is not an absolute path to kubelet.sock",
+                    "give kubelet's socket, e.g. /var/lib/kubelet/device-plugins/kubelet.sock",
+                )
+            value = value.rsplit("/", 1)[0] or "/"
+        if dotted == "sharing.mps.failRequestsGreaterThanOne" and value is not True:
+            raise ConfigError(
+                f"{path}, line {line}: {dotted}: {value!r}: gpunode gives an MPS container one replica",
+                "remove the key (or set it true): a replica is a fixed share of one GPU, set by its MPS "
+                "daemon, and a container asking for two would still get one share",
+            )
         if dotted in _ENTRY_KEYS:
             _check_entries(value_node, value, dotted, path)
         if dotted == "flags.plugin.sharedDevicesAllocationPolicy":
@@ -196,7 +270,7 @@ def _walk(
         if dotted == "flags.mpsRoot" and value == "":
             out.append(Setting(dotted, line, None, value, "empty: gpunode's default, /run/nvidia/mps"))
             continue
-        out.append(Setting(dotted, line, target or None, value, NOTES.get(dotted, "")))
+        out.append(Setting(dotted, line, target or None, value, note))
 
 
 def _check_entries(node: Any, value: Any, key: str, path: str) -> None:
@@ -213,13 +287,35 @@ def _check_entries(node: Any, value: Any, key: str, path: str) -> None:
                 f"{', '.join(allowed)}",
                 f"correct {path}",
             )
-        for key_node, _ in item_node.value:
+        for key_node, _ in _pairs(item_node):
             if key_node.value not in allowed:
                 raise ConfigError(
                     f"{path}, line {key_node.start_mark.line + 1}: unknown key {key}[{n}].{key_node.value} "
                     "in NVIDIA's device-plugin config",
                     f"remove or correct it; an entry takes {', '.join(allowed)}",
                 )
+
+
+def _pairs(node: Any) -> list[tuple[Any, Any]]:
+    """A mapping node's (key, value) nodes, the ones a merge key (`<<`) brings included: the mapping's own
+    first, then each merged mapping's keys it does not set itself (YAML's rule: the mapping's own win)."""
+    import yaml
+
+    own = [(k, v) for k, v in node.value if k.tag != _MERGE_TAG]
+    seen = {str(k.value) for k, _ in own}
+    merged: list[tuple[Any, Any]] = []
+    for key_node, value_node in node.value:
+        if key_node.tag != _MERGE_TAG:
+            continue
+        sources = value_node.value if isinstance(value_node, yaml.SequenceNode) else [value_node]
+        for source in sources:
+            if not isinstance(source, yaml.MappingNode):
+                continue  # PyYAML has refused such a merge already
+            for pair in _pairs(source):
+                if str(pair[0].value) not in seen:
+                    seen.add(str(pair[0].value))
+                    merged.append(pair)
+    return own + merged
 
 
 def _check_one_sharing(data: Mapping[str, Any], path: str) -> None:

@@ -318,3 +318,12 @@ def test_sharing_strategy_and_mps_capable_as_gfd_sets_them() -> None:
     mps = gpu_labels(DGX, Sharing(replicas=4, mps=True))
     assert (mps["nvidia.com/gpu.sharing-strategy"], mps["nvidia.com/mps.capable"]) == ("mps", "true")
     assert mps["nvidia.com/gpu.replicas"] == "4"
+    # MPS sharing only resources other than nvidia.com/gpu: GFD's gpu.* labels stay 1 / none, and
+    # mps.capable still says the node shares through MPS.
+    other = gpu_labels(DGX, Sharing(mps=True))
+    assert (
+        other["nvidia.com/gpu.replicas"],
+        other["nvidia.com/gpu.sharing-strategy"],
+        other["nvidia.com/mps.capable"],
+    ) == ("1", "none", "true")
+    assert other["nvidia.com/gpu.product"] == DGX_LABELS["nvidia.com/gpu.product"]

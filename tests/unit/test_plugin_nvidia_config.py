@@ -229,7 +229,7 @@ def test_mps_entries_are_checked_like_time_slicing_ones(tmp_path: Path) -> None:
             "flags.plugin.deviceListStrategys",
             4,
         ),
-        ("version: v1\nflags:\n  gfd:\n    oneshot: true\n", "flags.gfd", 3),
+        ("version: v1\nflags:\n  gfd:\n    oneShot: true\n", "flags.gfd.oneShot", 4),
         ("version: v1\nsharing:\n  timeslicing: {}\n", "sharing.timeslicing", 3),
         ("version: v1\nimex:\n  channelIds: [0]\n", "imex.channelIds", 3),
         ("version: v1\nresources:\n  gpus:\n  - pattern: '*'\n    nam: gpu\n", "resources.gpus[0].nam", 5),
@@ -275,6 +275,98 @@ def test_the_fixture_typo_is_refused(tmp_path: Path) -> None:
 def test_bad_values_name_the_key(tmp_path: Path, text: str, problem: str) -> None:
     host, path = nvidia(tmp_path, text)
     with pytest.raises(ConfigError, match=problem):
+        load_config(host, config_path=path, env={})
+
+
+def test_keys_nvidia_has_and_gpunode_needs_not_are_accepted_with_a_note(tmp_path: Path) -> None:
+    """NVIDIA's plugin and GFD read one file: GFD's block and the plugin's own CDI and discovery keys are
+    part of the format (NVIDIA's example config has flags.gfd), so they load; import-config says why each
+    sets nothing."""
+    text = (
+        "version: v1\nflags:\n  useNodeFeatureAPI: true\n  deviceDiscoveryStrategy: auto\n"
+        "  restartOnDeviceUnhealthy: false\n  plugin:\n    nvidiaCTKPath: /usr/bin/nvidia-ctk\n"
+        "    cdiFeatureFlags: ''\n  gfd:\n    oneshot: false\n"
+        "    machineTypeFile: /sys/class/dmi/id/product_name\n"
+    )
+    host, path = nvidia(tmp_path, text)
+    assert load_config(host, config_path=path, env={}) == PluginConfig()
+    out = render(text, path)
+    assert "# flags.gfd.machineTypeFile (line 11): GPU feature discovery's settings" in out
+    assert "# flags.plugin.nvidiaCTKPath (line 7): the nvidia-ctk" in out
+    assert "# flags.deviceDiscoveryStrategy (line 4): gpunode finds the GPUs through NVML" in out
+
+
+def test_kubelet_socket_names_the_socket_directory(tmp_path: Path) -> None:
+    host, path = nvidia(
+        tmp_path,
+        "version: v1\nflags:\n  plugin:\n"
+        "    kubeletSocket: /var/lib/k0s/kubelet/device-plugins/kubelet.sock\n",
+    )
+    config = load_config(host, config_path=path, env={})
+    assert config.socket_dir == "/var/lib/k0s/kubelet/device-plugins"
+    assert config.origins["socket_dir"] == "file /config.yaml (flags.plugin.kubeletSocket)"
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        (
+            "version: v1\nflags:\n  plugin:\n    kubeletSocket: /run/kubelet\n",
+            "not an absolute path to kubelet.sock",
+        ),
+        ("version: v1\nflags:\n  deviceDiscoveryStrategy: tegra\n", r"'tegra' is not supported by gpunode"),
+        (
+            "version: v1\nsharing:\n  mps:\n    failRequestsGreaterThanOne: false\n",
+            "gpunode gives an MPS container one replica",
+        ),
+    ],
+)
+def test_nvidia_settings_gpunode_cannot_honour_are_refused(tmp_path: Path, text: str, problem: str) -> None:
+    host, path = nvidia(tmp_path, text)
+    with pytest.raises(ConfigError, match=problem):
+        load_config(host, config_path=path, env={})
+
+
+def test_json_indented_with_tabs_is_read_as_nvidias_reader_reads_it(tmp_path: Path) -> None:
+    text = (
+        '{\n\t"version": "v1",\n\t"sharing": {\n\t\t"timeSlicing": {\n\t\t\t"resources": '
+        '[{"name": "nvidia.com/gpu", "replicas": 3}]\n\t\t}\n\t},\n\t"flags": {"migStrategi": "none"}\n}\n'
+    )
+    host, path = nvidia(tmp_path, text.replace("migStrategi", "migStrategy"), "config.json")
+    assert served(load_config(host, config_path=path, env={}), "pcie-4") == {"nvidia.com/gpu": (12, 3)}
+    host, path = nvidia(tmp_path, text, "typo.json")
+    with pytest.raises(ConfigError, match=r"line 8: unknown key flags\.migStrategi"):
+        load_config(host, config_path=path, env={})  # lines still count as in the file
+
+
+def test_null_values_leave_nvidias_defaults(tmp_path: Path) -> None:
+    host, path = nvidia(
+        tmp_path, "version: v1\nflags:\n  migStrategy: null\n  nvidiaDriverRoot:\n  plugin: ~\n"
+    )
+    assert load_config(host, config_path=path, env={}) == PluginConfig()
+
+
+def test_yaml_merge_keys_are_resolved_and_what_they_bring_is_checked(tmp_path: Path) -> None:
+    text = (
+        "version: v1\nflags:\n  migStrategy: mixed\nsharing:\n  timeSlicing:\n    resources:\n"
+        "    - &shared {name: nvidia.com/mig-1g.10gb, replicas: 2, devices: all}\n"
+        "    - <<: *shared\n      name: nvidia.com/mig-2g.20gb\n      rename: mig-medium\n"
+    )
+    host, path = nvidia(tmp_path, text)
+    config = load_config(host, config_path=path, env={})
+    assert [e.as_dict() for e in config.shared_resources] == [
+        {"name": "nvidia.com/mig-1g.10gb", "replicas": 2},
+        {"name": "nvidia.com/mig-2g.20gb", "replicas": 2, "rename": "mig-medium"},
+    ]
+    host, path = nvidia(tmp_path, "version: v1\nbase: &b {replica: 2}\n")
+    with pytest.raises(ConfigError, match="unknown key base"):
+        load_config(host, config_path=path, env={})
+    host, path = nvidia(
+        tmp_path,
+        "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - <<: {name: gpu, replica: 2}\n"
+        "      replicas: 2\n",
+    )
+    with pytest.raises(ConfigError, match=r"unknown key sharing\.timeSlicing\.resources\[0\]\.replica "):
         load_config(host, config_path=path, env={})
 
 
@@ -409,6 +501,12 @@ def test_import_config_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert tomllib.loads(capsys.readouterr().out)["mps"]["resources"] == [
         {"name": "nvidia.com/gpu", "replicas": 10}
     ]
+    # A file the plugin refuses as a whole gets no TOML either (exit 4, the plugin's message).
+    text = (FIXTURES / "mps.yaml").read_text() + "flags:\n  migStrategy: mixed\n"
+    host, path = nvidia(tmp_path, text, "mps-mig.yaml")
+    assert main(["plugin", "import-config", path], host=host) == ExitCode.CONFIG
+    captured = capsys.readouterr()
+    assert captured.out == "" and "MPS shares whole GPUs only" in captured.err
 
 
 def test_install_turns_the_nvidia_file_into_gpunode_toml(tmp_path: Path) -> None:
@@ -432,6 +530,16 @@ def test_advertise_reads_sharing_from_an_installed_nvidia_file(tmp_path: Path) -
     assert plugin_sharing(Host(root=tmp_path, env={})) == LabelSharing(replicas=4, rename_by_default=True)
     target.write_text((FIXTURES / "mps.yaml").read_text())
     assert plugin_sharing(Host(root=tmp_path, env={})) == LabelSharing(replicas=10, mps=True)
+    # Only MIG profiles shared: GFD's gpu.* labels speak of nvidia.com/gpu alone, so 1 and none.
+    target.write_text(
+        "version: v1\nflags:\n  migStrategy: mixed\nsharing:\n  timeSlicing:\n    resources:\n"
+        "    - {name: nvidia.com/mig-1g.5gb, replicas: 2}\n"
+    )
+    assert plugin_sharing(Host(root=tmp_path, env={})) == LabelSharing()
+    target.write_text(
+        "version: v1\nsharing:\n  mps:\n    resources:\n    - {name: nvidia.com/other, replicas: 2}\n"
+    )
+    assert plugin_sharing(Host(root=tmp_path, env={})) == LabelSharing(mps=True)
 
 
 def test_an_entry_for_a_resource_the_node_lacks_is_logged(
