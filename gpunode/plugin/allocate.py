@@ -130,7 +130,10 @@ def _check(
         # One pass (Counter), not a count() per ID: a request may name thousands.
         dupes = sorted(i for i, n in Counter(ids).items() if n > 1)
         raise Refused("INVALID_ARGUMENT", f"device ID {shown_ids(dupes)} requested more than once")
-    if resource.sharing == "mps" and len(ids) > 1:
+    # Only replicas are limited: GPUs an entry's `devices` leaves whole may be asked for together, as
+    # NVIDIA's plugin allows (it refuses only requests that name a replica).
+    replica = len(ids) > 1 and any((d := known.get(i)) is not None and d.replica is not None for i in ids)
+    if resource.sharing == "mps" and replica:
         # A replica is a fixed share of one GPU (threads, memory) set by its daemon: two would still get one
         # share while kubelet counts two (NVIDIA's plugin refuses these too).
         raise Refused(
@@ -138,7 +141,7 @@ def _check(
             f"request for {len(ids)} {resource.name} refused: the GPUs are shared through MPS, and a "
             "container gets one replica (a fixed share of one GPU); ask for 1",
         )
-    if resource.replicas > 1 and settings.fail_requests_greater_than_one and len(ids) > 1:
+    if resource.replicas > 1 and settings.fail_requests_greater_than_one and replica:
         raise Refused(
             "INVALID_ARGUMENT",
             f"request for {len(ids)} {resource.name} refused: the GPUs are time-sliced and "

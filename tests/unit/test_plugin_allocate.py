@@ -140,6 +140,17 @@ def test_replicas_expose_each_gpu_once() -> None:
         one(shared, ids, AllocateSettings(fail_requests_greater_than_one=True))
     assert err.value.code == "INVALID_ARGUMENT" and "at most 1" in err.value.message
     assert one(shared, ids[:1], AllocateSettings(fail_requests_greater_than_one=True)).envs
+    # GPUs an entry leaves unshared stay whole in the resource: they may be asked for together, and only a
+    # request that names a replica is limited (NVIDIA's rule).
+    from gpunode.plugin.devices import SharedResource
+
+    [partly] = resources(sharing=Sharing(resources=(SharedResource("nvidia.com/gpu", 2, devices=("0",)),)))
+    whole = [d.id for d in partly.devices if d.replica is None]
+    replica = next(d.id for d in partly.devices if d.replica is not None)
+    limited = AllocateSettings(fail_requests_greater_than_one=True)
+    assert one(partly, whole[:2], limited).envs == {"NVIDIA_VISIBLE_DEVICES": ",".join(whole[:2])}
+    with pytest.raises(Refused, match="at most 1"):
+        one(partly, [whole[0], replica], limited)
 
 
 def test_unknown_ids_are_refused_by_name() -> None:
