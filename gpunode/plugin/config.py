@@ -563,7 +563,10 @@ def _check_combination(config: PluginConfig) -> None:
                 "set: a node shares its GPUs one way",
                 "keep either the MPS or the time-slicing settings",
             )
-        if config.mig_strategy != "none":
+        # mixed is about MIG devices by definition (NVIDIA's plugin refuses it with MPS too); single serves
+        # whole GPUs on a node without MIG (GPU Operator's default strategy), and a MIG device chosen for
+        # MPS is refused when the devices are read (devices.build_resources).
+        if config.mig_strategy == "mixed":
             raise ConfigError(
                 f"mps.resources with mig-strategy {config.mig_strategy}: MPS shares whole GPUs only, not MIG "
                 "devices",

@@ -197,6 +197,7 @@ def build_resources(
         if not gpu_names:
             groups.setdefault(resource_name, [])
 
+    mig_mode_gpus = {g.uuid for g in gpus if _mig_on(g)}
     by_name: dict[str, list[PluginDevice]] = {}
     replicas_of: dict[str, int] = {}
     shared_names: set[str] = set()
@@ -213,6 +214,18 @@ def build_resources(
             raise ConfigError(
                 f"{name}: MPS sharing of MIG devices is not possible (MPS shares whole GPUs only)",
                 "use mig-strategy none for MPS, or share the MIG devices with time-slicing",
+            )
+        in_mig_mode = sorted({d.gpu_index for d in chosen if d.mig is None and d.gpu_uuid in mig_mode_gpus})
+        if sharing.strategy == "mps" and in_mig_mode:
+            # Served whole under mig-strategy none, but its MPS server would not start: the daemon's servers
+            # fail while MIG devices are visible, which would leave every replica of the resource, other
+            # GPUs' too, advertised Healthy and unusable.
+            listed = ", ".join(map(str, in_mig_mode))
+            raise ConfigError(
+                f"{name}: GPU {listed} {'is' if len(in_mig_mode) == 1 else 'are'} in MIG mode, which MPS "
+                "cannot share",
+                f"turn MIG mode off (nvidia-smi -i {in_mig_mode[0]} -mig 0, with the GPU idle) or leave the "
+                "GPU out of the MPS entry's devices",
             )
         shared_name = _qualified(domain, share.rename) if share.rename else name
         if not share.rename and sharing.rename_by_default:

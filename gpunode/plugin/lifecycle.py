@@ -502,12 +502,11 @@ class Plugin:
         if self._mps is None:
             if not specs:
                 return
-            driver_root = config.driver_root
             self._mps = MpsSupervisor(
                 self.host,
                 config.mps_root,
                 self.registry.set_resource_down,
-                find_program=lambda: find_control_program(self.host, driver_root),
+                find_program=lambda: find_control_program(self.host),
             )
         self._mps.apply(specs)
 

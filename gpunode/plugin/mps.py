@@ -148,16 +148,24 @@ def daemon_specs(
     return tuple(specs)
 
 
-def find_control_program(host: Host, driver_root: str) -> str | None:
-    """nvidia-cuda-mps-control: on PATH (the driver installs it in /usr/bin), else under the driver root."""
+def find_control_program(host: Host) -> str | None:
+    """nvidia-cuda-mps-control on the host's PATH (the driver installs it in /usr/bin).
+
+    Not a copy under another driver root (a driver container's /run/nvidia/driver): run on the host, outside
+    that root, the control daemon would answer while the nvidia-cuda-mps-server it starts for each client
+    finds neither itself nor the driver's libraries there, so the replicas would be Healthy and unusable
+    (NVIDIA's own daemon runs it chrooted into the driver root for this reason)."""
     found = host.which(CONTROL_PROGRAM)
-    if found is not None:
-        return str(host.path(found))
-    if driver_root != "/":
-        candidate = posixpath.join(driver_root, "usr/bin", CONTROL_PROGRAM)
-        if host.is_file(candidate):
-            return str(host.path(candidate))
-    return None
+    return str(host.path(found)) if found is not None else None
+
+
+def _is_control_program(pid: int) -> bool:
+    """Whether `pid` runs the control program (its name, as /proc keeps it: the first 15 characters)."""
+    try:
+        with open(f"/proc/{pid}/comm", encoding="utf-8", errors="replace") as f:
+            return f.read().strip() == CONTROL_PROGRAM[:15]
+    except OSError:
+        return False
 
 
 def _peer_pid(path: str) -> int | None:
@@ -204,8 +212,17 @@ class MpsDaemon:
             return None
         text = self.host.read_text_if_exists(posixpath.join(self.spec.pipe_dir, PID_FILE)) or ""
         recorded = int(text.strip()) if text.strip().isdigit() else None
-        if recorded is not None and recorded != owner and _alive(recorded):
-            return recorded  # the real daemon may bind before it forks: the socket's owner is its parent
+        if (
+            recorded is not None
+            and recorded != owner
+            and not _alive(owner)
+            and _alive(recorded)
+            and _is_control_program(recorded)
+        ):
+            # The real daemon may bind before it forks: the socket's owner is then its parent, gone. Only
+            # then is the pid file believed, and only for a process running the control program: a file a
+            # killed daemon left may name a PID reused since, which must never be held or signalled.
+            return recorded
         return owner
 
     def recorded(self) -> dict[str, object] | None:
@@ -248,6 +265,9 @@ class MpsDaemon:
         self.host.make_dirs(spec.shm_dir, mode=0o755)
         # Any user's MPS client creates its segments there, as in /dev/shm (sticky: not each other's).
         self.host.set_mode(spec.shm_dir, 0o1777)
+        if _peer_pid(self.socket_path) is None:
+            # No daemon answers here: a pid file is a dead one's, and its PID may be reused by now.
+            self.host.remove_file(posixpath.join(spec.pipe_dir, PID_FILE))
         output = posixpath.join(spec.log_dir, "gpunode-start.log")
         argv = [
             sys.executable,
@@ -563,8 +583,9 @@ class MpsSupervisor:
                 self.program = self.find_program()
             if self.program is None:
                 raise MpsError(
-                    f"{name}: {CONTROL_PROGRAM} is not installed (not on PATH, nor under the driver root)",
-                    "install the NVIDIA driver's utilities (they ship the MPS control program)",
+                    f"{name}: {CONTROL_PROGRAM} is not on the host's PATH",
+                    "install the NVIDIA driver's utilities on the host (they ship the MPS control program); "
+                    "a driver container's copy cannot run outside its root",
                 )
             daemon.program = self.program
             adopted = daemon.adopt()

@@ -21,7 +21,7 @@ from importlib import resources
 from pathlib import Path
 
 from gpunode import paths
-from gpunode.errors import CommandFailed, GpunodeError, NotFound, PermissionDenied, UsageError
+from gpunode.errors import CommandFailed, ConfigError, GpunodeError, NotFound, PermissionDenied, UsageError
 from gpunode.host import Host
 from gpunode.plugin import statusfile
 from gpunode.services import journal_tail
@@ -242,7 +242,7 @@ def plan_install(
     `doctor_metrics` (a directory): also the timer that writes doctor's findings there."""
     files = [_planned_file(host, UNIT_PATH, render_unit(executable))]
     if config_file is not None:
-        files.append(_planned_file(host, CONFIG_PATH, _validated_config(host, config_file)))
+        files.append(_planned_file(host, CONFIG_PATH, _validated_config(host, config_file, executable)))
     doctor_files = []
     if doctor_metrics is not None:
         doctor_unit, timer = render_doctor_units(executable, doctor_metrics)
@@ -278,14 +278,32 @@ def plan_install(
     return ServicePlan(tuple(files), tuple(commands), wait_ready=start, notes=notes)
 
 
-def _validated_config(host: Host, config_file: str) -> str:
+# Where the unit's own hardening puts a private or read-only view (ProtectSystem=full: /usr, /boot, /etc).
+_UNIT_PRIVATE = {**_HIDING, "ProtectSystem=full": ("/usr", "/boot", "/etc", "/efi")}
+
+
+def _validated_config(host: Host, config_file: str, executable: str) -> str:
     from gpunode.plugin.config import load_config
 
     text = host.read_text_if_exists(config_file)
     if text is None:
         raise NotFound(f"plugin config {config_file} does not exist", "give the path of a plugin TOML file")
     # The whole resolution, as the service will do it: unknown keys, bad values, impossible combinations.
-    load_config(host, config_path=config_file, env={})
+    config = load_config(host, config_path=config_file, env={})
+    if any(e.replicas > 1 for e in config.mps_resources):
+        # The MPS daemons' pipe and shm directories must be the ones pods mount from the host: under a
+        # directory the unit makes private (PrivateTmp) or read-only, the daemons would live in the
+        # service's own view, and pods would run without MPS (a client that finds no daemon runs unlimited).
+        relaxed = set(hardening_relaxed(executable))
+        root = config.mps_root
+        for option, prefixes in _UNIT_PRIVATE.items():
+            under = [p for p in prefixes if root == p or root.startswith(p + "/")]
+            if under and option not in relaxed:
+                raise ConfigError(
+                    f"mps.root {root} lies under {under[0]}, which the plugin's unit ({option}) keeps "
+                    "from the host: pods would not reach its MPS daemons",
+                    "use a directory under /run or /var/lib (the default is /run/nvidia/mps)",
+                )
     from gpunode.plugin.nvidia_config import is_toml
 
     if not is_toml(text):

@@ -143,10 +143,10 @@ def test_a_missing_control_program_keeps_the_replicas_unhealthy(kubelet: FakeKub
     with plugin(base, program=False) as proc:
         kubelet.wait_registered(GPU, timeout=60)
         kubelet.wait_for_devices(GPU, all_health(UNHEALTHY, 16), timeout=60)
-        proc.wait_for_log("nvidia-cuda-mps-control is not installed")
+        proc.wait_for_log("nvidia-cuda-mps-control is not on the host's PATH")
         # `plugin status` says why: the status file names the reason per resource.
         deadline = time.monotonic() + 30
-        while "not installed" not in str(status_of(proc).get("resources")):
+        while "not on the host's PATH" not in str(status_of(proc).get("resources")):
             assert time.monotonic() < deadline, status_of(proc)
             time.sleep(0.05)
         [status] = status_of(proc)["resources"]

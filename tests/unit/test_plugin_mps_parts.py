@@ -83,6 +83,26 @@ def test_no_spec_without_mps_and_mig_is_refused() -> None:
             mig_strategy="mixed",
             sharing=Sharing(resources=(SharedResource("mig-1g.5gb", 2),), strategy="mps"),
         )
+    # A GPU in MIG mode served whole (mig-strategy none) cannot be shared through MPS either: its server
+    # would not start, and every replica of the daemon would be advertised and useless.
+    mig = simulated_inventory("mig")
+    in_mig_mode = [g.index for g in mig.gpus if g.mig_mode is not None and g.mig_mode.current]
+    assert in_mig_mode
+    with pytest.raises(ConfigError, match=rf"GPU {in_mig_mode[0]}\b.* in MIG mode") as err:
+        build_resources(mig, sharing=Sharing(resources=(SharedResource(GPU, 2),), strategy="mps"))
+    assert f"nvidia-smi -i {in_mig_mode[0]} -mig 0" in (err.value.fix or "")
+    # GPUs not in MIG mode on that node may still be MPS-shared, and so may every GPU under
+    # mig-strategy single on a node without MIG (GPU Operator's default strategy).
+    others = [str(g.index) for g in mig.gpus if g.index not in in_mig_mode]
+    if others:
+        share = SharedResource(GPU, 2, devices=tuple(others))
+        build_resources(mig, sharing=Sharing(resources=(share,), strategy="mps"))
+    [single] = build_resources(
+        simulated_inventory("pcie-4"),
+        mig_strategy="single",
+        sharing=Sharing(resources=(SharedResource(GPU, 2),), strategy="mps"),
+    )
+    assert (single.sharing, len(single.devices)) == ("mps", 8)
 
 
 def test_allocate_hands_the_container_the_pipe_directory_and_shm() -> None:
@@ -110,6 +130,13 @@ def test_allocate_hands_the_container_the_pipe_directory_and_shm() -> None:
     plain = next(d for d in partly.devices if d.replica is None)
     [answer] = allocate(partly, [[plain.id]], registry.health_of, settings)
     assert "CUDA_MPS_PIPE_DIRECTORY" not in answer.envs and answer.mounts == ()
+    # Whole GPUs of that resource may be asked for together (only replicas are one per container).
+    whole = [d.id for d in partly.devices if d.replica is None]
+    assert len(whole) >= 2
+    [answer] = allocate(partly, [whole[:2]], registry.health_of, settings)
+    replica = next(d.id for d in partly.devices if d.replica is not None)
+    with pytest.raises(Refused, match="a container gets one replica"):
+        allocate(partly, [[whole[0], replica]], registry.health_of, settings)
     [answer] = allocate(resource, [[resource.devices[0].id]], registry.health_of, AllocateSettings())
     assert "CUDA_MPS_PIPE_DIRECTORY" not in answer.envs and answer.mounts == ()
 
@@ -196,15 +223,41 @@ def test_daemon_start_configure_check_and_stop(base: Path) -> None:
 
 def test_find_control_program(tmp_path: Path) -> None:
     host = Host(root=tmp_path, env={"PATH": "/opt/bin"})
-    assert find_control_program(host, "/") is None
+    assert find_control_program(host) is None
+    # A driver container's copy is not taken: outside its root its servers could not start.
     fakemps.install(tmp_path / "run/nvidia/driver/usr/bin")
-    assert find_control_program(host, "/run/nvidia/driver") == str(
-        tmp_path / "run/nvidia/driver/usr/bin/nvidia-cuda-mps-control"
-    )
+    assert find_control_program(host) is None
     fakemps.install(tmp_path / "opt/bin")
-    assert find_control_program(host, "/run/nvidia/driver") == str(
-        tmp_path / "opt/bin/nvidia-cuda-mps-control"
-    )
+    assert find_control_program(host) == str(tmp_path / "opt/bin/nvidia-cuda-mps-control")
+
+
+def test_a_stale_pid_file_is_never_believed(base: Path) -> None:
+    """A pid file a killed daemon left may name a PID reused by another program: that process is never
+    taken for the daemon (held, signalled), and a start removes the file before the new daemon writes its
+    own."""
+    import subprocess
+
+    program = str(fakemps.install(base / "bin"))
+    host = Host()
+    spec = spec_in(base)
+    stranger = subprocess.Popen(["sleep", "60"])
+    try:
+        pipe = Path(spec.pipe_dir)
+        pipe.mkdir(parents=True)
+        (pipe / "nvidia-cuda-mps-control.pid").write_text(f"{stranger.pid}\n")
+        daemon = MpsDaemon(host, spec, program)
+        assert daemon.running_pid() is None  # nothing answers on the socket
+        daemon.start()
+        assert daemon.pid is not None and daemon.pid != stranger.pid
+        assert (pipe / "nvidia-cuda-mps-control.pid").read_text().strip() == str(daemon.pid)
+        # The file rewritten to name the stranger while the daemon answers: the socket's live owner wins.
+        (pipe / "nvidia-cuda-mps-control.pid").write_text(f"{stranger.pid}\n")
+        assert daemon.running_pid() == daemon.pid
+        daemon.stop()
+        assert stranger.poll() is None  # never signalled
+    finally:
+        stranger.kill()
+        stranger.wait()
 
 
 class States:
@@ -308,7 +361,7 @@ def test_turning_mps_off_while_its_program_is_missing_leaves_nothing_down(base: 
     try:
         supervisor.apply([spec_in(base)])
         deadline = time.monotonic() + 30
-        while not any("not installed" in (r or "") for _, r in states.calls):
+        while not any("not on the host's PATH" in (r or "") for _, r in states.calls):
             assert time.monotonic() < deadline, states.calls
             time.sleep(0.02)
         supervisor.apply([])

@@ -518,6 +518,36 @@ def test_install_turns_the_nvidia_file_into_gpunode_toml(tmp_path: Path) -> None
     assert tomllib.loads(config.content)["time-slicing"]["resources"][0]["replicas"] == 10
 
 
+@pytest.mark.parametrize(
+    ("root", "executable", "refused"),
+    [
+        ("/tmp/nvidia-mps", "/usr/local/bin/gpunode", "PrivateTmp=yes"),  # MPS's own default pipe dir
+        ("/root/mps", "/usr/local/bin/gpunode", "ProtectHome=yes"),
+        ("/etc/mps", "/usr/local/bin/gpunode", "ProtectSystem=full"),
+        ("/run/nvidia/mps", "/usr/local/bin/gpunode", None),
+        ("/var/lib/mps", "/usr/local/bin/gpunode", None),
+        ("/tmp/nvidia-mps", "/tmp/venv/bin/gpunode", None),  # the unit relaxes PrivateTmp for this one
+    ],
+)
+def test_install_refuses_an_mps_root_the_unit_hides_from_pods(
+    tmp_path: Path, root: str, executable: str, refused: str | None
+) -> None:
+    from gpunode.systemd.service import plan_install
+
+    shared = MPS_ONE.split("\n", 1)[1].replace("replicas: 1", "replicas: 2")
+    host, path = nvidia(tmp_path, f"version: v1\nflags:\n  mpsRoot: {root}\n{shared}")
+    if refused is None:
+        plan_install(host, config_file=path, start=False, executable=executable)
+        return
+    with pytest.raises(ConfigError) as err:
+        plan_install(host, config_file=path, start=False, executable=executable)
+    assert f"mps.root {root}" in err.value.message and refused in err.value.message
+    assert "/run/nvidia/mps" in (err.value.fix or "")
+    # Without MPS sharing the root is never used, and nothing is refused.
+    host, path = nvidia(tmp_path, f"version: v1\nflags:\n  mpsRoot: {root}\n")
+    plan_install(host, config_file=path, start=False, executable=executable)
+
+
 def test_advertise_reads_sharing_from_an_installed_nvidia_file(tmp_path: Path) -> None:
     from gpunode.advertise import plugin_sharing
     from gpunode.kube.labels import Sharing as LabelSharing
