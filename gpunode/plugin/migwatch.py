@@ -200,8 +200,14 @@ class MigWatcher(NvmlThread):
         try:
             while not self._stop.is_set():
                 try:
-                    if not self._initialised or self._event_set is None or self._take_rearm():
+                    # Taken first, whatever else holds: the flag set for the GPUs given at construction
+                    # must not arm a second time right after the first arm.
+                    rearm = self._take_rearm()
+                    if not self._initialised or self._event_set is None or rearm:
                         self._arm()
+                        # Events queued in the old set, or sent while it was down, are gone: read now
+                        # rather than at the next periodic read (30 s where every GPU sends the event).
+                        check_at = 0.0
                     now = self._clock()
                     if now >= check_at:
                         event_driven = pending_since is not None and confirm is None
@@ -303,15 +309,14 @@ class MigWatcher(NvmlThread):
             self._log.info("MIG watcher: MIG change events registered on %d GPU(s)", len(gpus))
 
     def _register(self, uuid: str) -> bool:
-        """Register the MIG event on the GPU where it says it has it; False where it cannot be had."""
+        """Register the MIG event on the GPU; False where it cannot be had (NOT_SUPPORTED: an older
+        driver, or one that offers it only while MIG is on)."""
         nvml = self._nvml
         try:
             handle = nvml.nvmlDeviceGetHandleByUUID(uuid)
-            supported = int(nvml.nvmlDeviceGetSupportedEventTypes(handle))
-            if not supported & EVENT_MIG_CONFIG_CHANGE:
-                return False
-            # On its own, never with other types: a driver that refuses one type refuses the whole mask
-            # (DCGM registers this event apart for the same reason).
+            # Tried whatever nvmlDeviceGetSupportedEventTypes says, as DCGM does: it is not known that every
+            # driver that delivers the MIG event lists it there, and a refusal costs one call. On its own,
+            # never with other types: a driver that refuses one type refuses the whole mask.
             nvml.nvmlDeviceRegisterEvents(handle, EVENT_MIG_CONFIG_CHANGE, self._event_set)
         except nvml.NVMLError as exc:
             if nvml_code(exc) == UNINITIALIZED:
@@ -329,12 +334,16 @@ class MigWatcher(NvmlThread):
             self._event_set = None
 
     def _wait_for_event(self, until: float) -> bool:
-        """Wait until `until` (in slices), or until a MIG event arrives (True)."""
+        """Wait until `until` (in slices), or until a MIG event arrives (True); False early when the GPUs to
+        watch changed (update())."""
         nvml = self._nvml
         while not self._stop.is_set():
             left = until - self._clock()
             if left <= 0:
                 return False
+            with self._lock:
+                if self._rearm:
+                    return False  # other GPUs to watch: arm for them now, not after this wait
             slice_s = min(left, WAIT_SLICE_S)
             if not self._with_event:
                 self._stop.wait(slice_s)

@@ -244,6 +244,7 @@ struct gpu {
     struct linkset links;
     unsigned int nvlink_links;
     unsigned long long supported_events;
+    unsigned long long registrable_events; /* what RegisterEvents takes; default supported_events */
     struct namelist unsupported;
     unsigned int nmig; /* [mig] sections seen, for sequential slots */
     struct mig migs[MAX_MIG];
@@ -714,6 +715,7 @@ static const struct keydef KEYS[] = {
     KG("nvlink", K_NVLINK, links),
     KG("nvlink_links", K_U32, nvlink_links),
     KG("supported_events", K_U64, supported_events),
+    KG("registrable_events", K_U64, registrable_events),
     KG("unsupported", K_LIST, unsupported),
 
     KM("name", K_STR, name),
@@ -855,6 +857,7 @@ static void gpu_defaults(struct gpu *g)
     g->max_mig = 7;
     g->nvlink_links = UNSET_U32;
     g->supported_events = UNSET_U64; /* finalize(): the MIG event too on a MIG-capable GPU */
+    g->registrable_events = UNSET_U64; /* finalize(): supported_events */
 }
 
 static void mig_defaults(struct mig *m)
@@ -894,6 +897,8 @@ static int finalize(struct config *cfg, char *err, size_t errn)
         if (g->supported_events == UNSET_U64)
             g->supported_events = EV_SINGLE_BIT_ECC | EV_DOUBLE_BIT_ECC | EV_PSTATE | EV_XID | EV_CLOCK |
                                   (g->mig_capable ? EV_MIG_CONFIG : 0);
+        if (g->registrable_events == UNSET_U64)
+            g->registrable_events = g->supported_events;
         if (g->nvlink_links == UNSET_U32)
             g->nvlink_links = g->links.n;
         if (g->nvlink_links < g->links.n || g->nvlink_links > NVML_NVLINK_MAX_LINKS) {
@@ -2258,7 +2263,7 @@ nvmlReturn_t nvmlDeviceRegisterEvents(nvmlDevice_t device, unsigned long long ev
     struct fake_event_set *s = find_set(set);
     if (!s)
         END(NVML_ERROR_INVALID_ARGUMENT);
-    if (eventTypes & ~d.g->supported_events)
+    if (eventTypes & ~d.g->registrable_events)
         END(NVML_ERROR_NOT_SUPPORTED);
     s->mask[d.gpu] |= eventTypes;
     END(NVML_SUCCESS);

@@ -145,6 +145,39 @@ def test_the_mig_event_is_registered_where_the_gpu_has_it(make_node: Callable[..
     assert watcher.served == fingerprint_of(inventory.gpus)
 
 
+def test_the_mig_event_is_tried_where_the_supported_mask_leaves_it_out(
+    make_node: Callable[..., Node],
+) -> None:
+    # A driver whose nvmlDeviceGetSupportedEventTypes lacks the MIG event but delivers it (as DCGM assumes
+    # of newer drivers): registered all the same, and a change is told at once, not by a periodic read.
+    config = NO_EVENTS.replace(
+        "supported_events = 0x1f", "supported_events = 0x1f\nregistrable_events = 0x11f"
+    )
+    node = make_node(None, config=config)
+    inventory = node.discover()
+    watcher = node.watch(inventory, poll_interval=3600, slow_poll_interval=3600)
+    assert watcher.with_events == {g.uuid for g in inventory.gpus}
+    node.inject("mig-create 0 3g.20gb 2")
+    assert until(lambda: node.changes() == 1)
+
+
+def test_a_new_event_set_is_followed_by_a_read_at_once(make_node: Callable[..., Node]) -> None:
+    """Re-arming (the MIG-capable GPUs changed, or a failed wait) frees the old event set, and what it had
+    queued is lost: the watcher reads at once instead of at its next periodic read (an hour here)."""
+    import dataclasses
+
+    node = make_node("mig")
+    inventory = node.discover()
+    watcher = node.watch(inventory, poll_interval=3600, slow_poll_interval=3600)
+    gpu0 = inventory.gpus[0]
+    assert gpu0.mig_devices
+    # The plugin now serves GPU 0 alone, and (as if an event had been lost) without its instances: another
+    # set of GPUs, so a new event set, and the read that follows finds what the plugin lacks.
+    watcher.update([dataclasses.replace(gpu0, mig_devices=())])
+    assert until(lambda: node.changes() == 1)
+    assert watcher.served == {gpu0.uuid: fingerprint_of(inventory.gpus)[gpu0.uuid or ""]}
+
+
 def test_a_created_instance_is_reported_once(make_node: Callable[..., Node]) -> None:
     # The periodic read is an hour away: only the event can tell the watcher.
     node = make_node("mig")
