@@ -266,6 +266,9 @@ class HealthMonitor(NvmlThread):
                 continue
             self._watched[gpu.index] = _Watched(gpu.index, gpu.uuid, gpu.mig_devices)
         self._troubles: dict[Unit, _Trouble] = {}
+        # A new MIG layout of the same GPUs (update()), taken by the monitor's own thread.
+        self._layout_lock = threading.Lock()
+        self._new_layout: dict[int, tuple[MigDevice, ...]] | None = None
         self._ready = threading.Event()
         self._arms = 0
         self._nvml: Any = None
@@ -285,6 +288,24 @@ class HealthMonitor(NvmlThread):
         """Block until events are registered and the thread is waiting for them; False on timeout."""
         return self._ready.wait(timeout)
 
+    def update(self, gpus: Sequence[Gpu], settings: HealthSettings) -> bool:
+        """Take a new MIG layout of the GPUs this monitor watches, without a new NVML session or event set:
+        a MIG change must not open a gap in which an Xid is lost (events are registered on the GPU, not on
+        its instances, so the set stays valid), nor restart the quiet period of a GPU being watched for
+        recovery. False where a new monitor is needed: other GPUs, other settings, not running."""
+        if settings != self._settings:
+            return False
+        if not settings.enabled:
+            return True  # nothing runs, and nothing would
+        layout = {g.index: g.mig_devices for g in gpus if g.uuid}
+        if not self.running or {g.index: g.uuid for g in gpus if g.uuid} != {
+            i: w.uuid for i, w in self._watched.items()
+        }:
+            return False
+        with self._layout_lock:
+            self._new_layout = layout
+        return True
+
     @property
     def arms(self) -> int:
         """How many times an event set was armed: grows by one on each recovery from a failed wait."""
@@ -300,6 +321,7 @@ class HealthMonitor(NvmlThread):
         try:
             while not self._stop.is_set():
                 try:
+                    self._take_layout()
                     if self._event_set is None and not self._arm():
                         self._pause(backoff.next())
                         continue
@@ -329,6 +351,30 @@ class HealthMonitor(NvmlThread):
 
     def _pause(self, seconds: float) -> None:
         self._stop.wait(seconds)
+
+    def _take_layout(self) -> None:
+        """Apply update()'s MIG layout (in this thread: the lists and troubles are this thread's)."""
+        with self._layout_lock:
+            layout, self._new_layout = self._new_layout, None
+        if layout is None:
+            return
+        for index, migs in layout.items():
+            watched = self._watched[index]
+
+            def uuids(devices: Sequence[MigDevice]) -> dict[tuple[int, int], str | None]:
+                return {
+                    (m.gpu_instance_id, m.compute_instance_id): m.uuid
+                    for m in devices
+                    if m.gpu_instance_id is not None and m.compute_instance_id is not None
+                }
+
+            before, after = uuids(watched.migs), uuids(migs)
+            watched.migs = tuple(migs)
+            for unit in [u for u in self._troubles if u.gpu_index == index]:
+                if unit.instance is not None and before.get(unit.instance) != after.get(unit.instance):
+                    # Destroyed, or another instance under the same ids now: the registry dropped the mark
+                    # with the instance, and the new one starts healthy.
+                    del self._troubles[unit]
 
     def _adopt_marks(self, now: float) -> None:
         # Marks left by an earlier monitor (before a reload) would otherwise never be re-checked.
@@ -527,6 +573,7 @@ class HealthMonitor(NvmlThread):
     # -- events -----------------------------------------------------------------------------------
 
     def _on_event(self, data: Any) -> None:
+        self._take_layout()  # an event for an instance update() has just told of
         now = self._clock()
         event_type = int(data.eventType)
         watched = self._watched_by_handle(data.device)

@@ -382,12 +382,22 @@ class Plugin:
             self._discovery_delay = 1.0
         if not self.simulated:
             self._apply_mps(resources, inventory)
-        self.registry.replace(resources, {g.uuid: g.index for g in inventory.gpus if g.uuid})
-        for gpu in inventory.gpus:
-            if gpu.lost:
-                self.registry.mark(Unit(gpu.index), "lost from the bus (at start)")
         self._topology = Topology.from_inventory(inventory)
         self._nodes = nodes
+        if not first:
+            # Servers that stay answer Allocate for new devices too: they get the new discovery's device
+            # nodes (MIG nvidia-caps) and topology before the new lists reach kubelet (replace() wakes the
+            # streams), so an Allocate of a device kubelet just learnt of never misses its nodes.
+            settings = self._serve_settings()
+            for served in self._served.values():
+                served.server.service.update(self._topology, settings)
+        self.registry.replace(resources, {g.uuid: g.index for g in inventory.gpus if g.uuid})
+        marked = self.registry.unhealthy_units()
+        for gpu in inventory.gpus:
+            if gpu.lost and Unit(gpu.index) not in marked:
+                # Once: on a re-discovery the health monitor's own mark (and its recovery) stands, and a
+                # rewrite would resend a list nothing changed in.
+                self.registry.mark(Unit(gpu.index), "lost from the bus (at start)")
         for resource in resources:
             log.info(
                 "%s: %d device%s%s",
@@ -398,6 +408,12 @@ class Plugin:
             )
         if first:
             self._restart_health(inventory)  # watching before anything is served
+        elif (
+            self._health_pending is None
+            and self._health is not None
+            and self._health.update(inventory.gpus, self.config.health)
+        ):
+            pass  # the same GPUs and settings (a MIG change): the running monitor takes the new layout
         else:
             # After the reconcile that follows: stopping the old monitor (which watches meanwhile) waits up
             # to its NVML wait slice, which a new resource (a MIG profile just created) should not wait for.
@@ -563,11 +579,6 @@ class Plugin:
                 f" (fix: {err.fix})" if err.fix else "",
             )
             return
-        # Servers that stay answer Allocate for new devices too: their device nodes (MIG nvidia-caps) and
-        # the topology are the new discovery's.
-        settings = self._serve_settings()
-        for served in self._served.values():
-            served.server.service.update(self._topology, settings)
 
     def _schedule_discovery(self) -> None:
         if self._discovery_timer is not None:
@@ -605,12 +616,10 @@ class Plugin:
         if old.socket_dir != config.socket_dir and self._watch is not None:
             self._watch.stop()
             self._start_watch()
-        # Servers of resources that stay keep their sockets and take the new settings; registering again
-        # makes kubelet open a fresh stream (and read the new options) without a gap in which it would
-        # count the devices as unhealthy. Resources that went away are stopped by _reconcile.
-        settings = self._serve_settings()
+        # Servers of resources that stay keep their sockets and took the new settings (_load_devices);
+        # registering again makes kubelet open a fresh stream (and read the new options) without a gap in
+        # which it would count the devices as unhealthy. Resources that went away are stopped by _reconcile.
         for served in self._served.values():
-            served.server.service.update(self._topology, settings)
             served.registered_with = None
 
     # -- serve and register ---------------------------------------------------------------------

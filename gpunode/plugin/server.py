@@ -186,6 +186,11 @@ class DevicePluginService(deviceplugin_pb2_grpc.DevicePluginServicer):
             if not self.registry.wait_for_change(
                 self.resource_name, seen, lambda: ended.is_set() or self.stopping.is_set()
             ):
+                # Stopped because the resource is gone (its last MIG instance destroyed): say so with an
+                # empty list before the stream ends, so kubelet shows 0 at once rather than the last list
+                # as unhealthy for its grace period. (A plugin that stops keeps its resources: no list.)
+                if not ended.is_set() and seen != -1 and self.registry.snapshot(self.resource_name)[0] == -1:
+                    yield pb.ListAndWatchResponse(devices=[])
                 break
         log.debug("%s: ListAndWatch stream closed", self.resource_name)
 

@@ -96,6 +96,10 @@ def _walk_through_changes(kubelet: FakeKubelet, plugin: PluginProcess, control: 
     _untouched(kubelet, GPU, 1, gpu_messages)
     _untouched(kubelet, MEDIUM, 1, medium_messages)
     assert kubelet.latest_devices(SMALL) == small
+    # The health monitor knows the new instance at once (it took the new layout; no new event set): an
+    # Xid naming only its GPU instance reaches kubelet.
+    fakenvml.inject(control, f"xid 0:2:{0xFFFFFFFF} 79")
+    kubelet.wait_for_devices(LARGE, lambda d: [x.health for x in d] == ["Unhealthy"], timeout=WAIT)
 
     # One 1g.5gb destroyed: its resource's list shrinks, on the same stream.
     small_registrations = len(kubelet.registrations(SMALL))
@@ -113,12 +117,17 @@ def _walk_through_changes(kubelet: FakeKubelet, plugin: PluginProcess, control: 
     fakenvml.inject(control, "mig-destroy 0 3")
     plugin.wait_for_log(f"{MEDIUM}: no longer served", timeout=WAIT)
     assert not (kubelet.socket_dir / "gpunode-nvidia.com-mig-2g.10gb.sock").exists()
+    # Its stream said so before it ended: an empty list, so kubelet's capacity drops to 0 at once.
+    kubelet.wait_for_devices(MEDIUM, lambda d: d == [], timeout=WAIT)
 
     # Whatever else happened, nvidia.com/gpu never heard of it, and nothing was re-registered.
     _untouched(kubelet, GPU, 1, gpu_messages)
     assert len(kubelet.registrations(LARGE)) == 1
     assert kubelet.stream_ends(LARGE) == [] and kubelet.stream_ends(SMALL) == []
     assert kubelet.violations == []
+    # One event set for health all along: no MIG change re-armed the health monitor.
+    log = plugin.log()
+    assert log.count("health monitor armed") == 1 and "GPU health checks stopped" not in log
 
 
 def test_mig_changes_reach_kubelet_through_the_mig_event(

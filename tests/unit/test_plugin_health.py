@@ -297,6 +297,38 @@ def test_mig_xid_marks_only_that_instance_and_a_gpu_xid_marks_all(make_node: Cal
     assert healths[(8, 0)] == healths[(3, 0)] == "Xid 94 (contained ECC error)"
 
 
+def test_a_new_mig_layout_is_taken_without_a_new_event_set(
+    make_node: Callable[..., Node], tmp_path: Path
+) -> None:
+    """A MIG change (the MIG watcher's re-discovery): the running monitor takes the new instances without
+    re-arming, so no Xid can fall into a gap between two event sets; an instance created since is
+    watched, and a destroyed one's pending recovery is dropped."""
+    node = make_node("mig", replicas=1, mig_strategy="mixed")
+    settings = HealthSettings(recovery_quiet_period=3600)
+    monitor = node.armed(settings)
+    node.inject("xid 0:8:0 79")
+    assert until(lambda: Unit(0, (8, 0)) in node.unhealthy())
+    node.inject("mig-destroy 0 8")
+    node.inject("mig-create 0 1g.5gb 9")
+    assert until(
+        lambda: {m.gpu_instance_id for m in discover(Host(root=tmp_path)).gpus[0].mig_devices} == {7, 3, 9}
+    )
+    after = discover(Host(root=tmp_path))
+    node.registry.replace(
+        build_resources(after, mig_strategy="mixed", sharing=Sharing(replicas=1)),
+        {g.uuid: g.index for g in after.gpus if g.uuid},
+    )
+    assert monitor.update(after.gpus, settings)
+    # An Xid naming only the new GPU instance marks its compute instance: the monitor knows it now.
+    node.inject(f"xid 0:9:{0xFFFFFFFF} 79")
+    assert until(lambda: Unit(0, (9, 0)) in node.unhealthy())
+    assert monitor.arms == 1  # the same event set throughout
+    assert Unit(0, (8, 0)) not in monitor._troubles  # gone with its instance
+    # Another set of GPUs, or other settings, takes a new monitor.
+    assert not monitor.update(after.gpus[:1], settings)
+    assert not monitor.update(after.gpus, HealthSettings(recovery_quiet_period=1))
+
+
 def test_mig_xid_naming_only_a_gpu_instance_marks_its_compute_instances(
     make_node: Callable[..., Node],
 ) -> None:
