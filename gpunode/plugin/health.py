@@ -359,22 +359,15 @@ class HealthMonitor(NvmlThread):
         if layout is None:
             return
         for index, migs in layout.items():
-            watched = self._watched[index]
-
-            def uuids(devices: Sequence[MigDevice]) -> dict[tuple[int, int], str | None]:
-                return {
-                    (m.gpu_instance_id, m.compute_instance_id): m.uuid
-                    for m in devices
-                    if m.gpu_instance_id is not None and m.compute_instance_id is not None
-                }
-
-            before, after = uuids(watched.migs), uuids(migs)
-            watched.migs = tuple(migs)
-            for unit in [u for u in self._troubles if u.gpu_index == index]:
-                if unit.instance is not None and before.get(unit.instance) != after.get(unit.instance):
-                    # Destroyed, or another instance under the same ids now: the registry dropped the mark
-                    # with the instance, and the new one starts healthy.
-                    del self._troubles[unit]
+            self._watched[index].migs = tuple(migs)
+        # The registry's marks decide, as they do for a new monitor: a mark it dropped with its instance
+        # (destroyed, or another instance under the same ids now) is no trouble any more, and a mark it
+        # kept or made meanwhile (an instance no device stands for, a GPU lost at the re-read) is watched
+        # for recovery like the monitor's own.
+        marks = self._registry.unhealthy_units()
+        for unit in [u for u in self._troubles if u not in marks]:
+            del self._troubles[unit]
+        self._adopt_marks(self._clock())
 
     def _adopt_marks(self, now: float) -> None:
         # Marks left by an earlier monitor (before a reload) would otherwise never be re-checked.

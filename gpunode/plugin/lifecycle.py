@@ -616,10 +616,13 @@ class Plugin:
         if old.socket_dir != config.socket_dir and self._watch is not None:
             self._watch.stop()
             self._start_watch()
-        # Servers of resources that stay keep their sockets and took the new settings (_load_devices);
-        # registering again makes kubelet open a fresh stream (and read the new options) without a gap in
-        # which it would count the devices as unhealthy. Resources that went away are stopped by _reconcile.
+        # Servers of resources that stay keep their sockets and take the new settings (_load_devices gave
+        # them already where the GPUs could be read; again here for a reload while NVML fails); registering
+        # again makes kubelet open a fresh stream (and read the new options) without a gap in which it
+        # would count the devices as unhealthy. Resources that went away are stopped by _reconcile.
+        settings = self._serve_settings()
         for served in self._served.values():
+            served.server.service.update(self._topology, settings)
             served.registered_with = None
 
     # -- serve and register ---------------------------------------------------------------------

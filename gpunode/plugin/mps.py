@@ -168,6 +168,17 @@ def _is_control_program(pid: int) -> bool:
         return False
 
 
+def _parent_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return None
+    # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after the last ")".
+    fields = text.rpartition(")")[2].split()
+    return int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else None
+
+
 def _peer_pid(path: str) -> int | None:
     """The PID of the process listening on a unix socket (SO_PEERCRED), or None if nothing answers there."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
@@ -205,25 +216,28 @@ class MpsDaemon:
         return str(self.host.path(posixpath.join(self.spec.pipe_dir, CONTROL_SOCKET)))
 
     def running_pid(self) -> int | None:
-        """The daemon answering in the pipe directory: the PID in its pid file when that process lives and
-        its socket answers, else the socket's owner (SO_PEERCRED); None if nothing answers."""
+        """The daemon answering in the pipe directory: the socket's owner (SO_PEERCRED) while it runs the
+        control program, or the process its pid file names where that runs it and the owner is its parent
+        or gone; None if nothing answers (or nothing that is the control program)."""
         owner = _peer_pid(self.socket_path)
         if owner is None:
             return None
         text = self.host.read_text_if_exists(posixpath.join(self.spec.pipe_dir, PID_FILE)) or ""
         recorded = int(text.strip()) if text.strip().isdigit() else None
+        owner_runs_it = _alive(owner) and _is_control_program(owner)
         if (
             recorded is not None
             and recorded != owner
-            and not _alive(owner)
             and _alive(recorded)
             and _is_control_program(recorded)
+            and (not owner_runs_it or _parent_of(recorded) == owner)
         ):
-            # The real daemon may bind before it forks: the socket's owner is then its parent, gone. Only
-            # then is the pid file believed, and only for a process running the control program: a file a
-            # killed daemon left may name a PID reused since, which must never be held or signalled.
+            # The real daemon may bind before it forks: the socket's owner (the process that listened) is
+            # then its parent, exiting or gone, and its PID may be reused. Only then is the pid file
+            # believed, and only for a process that runs the control program: a file a killed daemon left
+            # may name a PID reused since, and neither that nor a stranger is ever held or signalled.
             return recorded
-        return owner
+        return owner if owner_runs_it else None
 
     def recorded(self) -> dict[str, object] | None:
         text = self.host.read_text_if_exists(posixpath.join(self.spec.root, RECORD))

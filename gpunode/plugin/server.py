@@ -186,11 +186,14 @@ class DevicePluginService(deviceplugin_pb2_grpc.DevicePluginServicer):
             if not self.registry.wait_for_change(
                 self.resource_name, seen, lambda: ended.is_set() or self.stopping.is_set()
             ):
-                # Stopped because the resource is gone (its last MIG instance destroyed): say so with an
-                # empty list before the stream ends, so kubelet shows 0 at once rather than the last list
-                # as unhealthy for its grace period. (A plugin that stops keeps its resources: no list.)
-                if not ended.is_set() and seen != -1 and self.registry.snapshot(self.resource_name)[0] == -1:
-                    yield pb.ListAndWatchResponse(devices=[])
+                # Stopped while kubelet still listens: a change it has not been sent goes out first. A
+                # resource that is gone (its last MIG instance destroyed) or left with no device sends its
+                # empty list, so kubelet shows 0 at once rather than the last list as unhealthy for its
+                # grace period. (A plugin that stops changes nothing first: nothing more is sent.)
+                if not ended.is_set():
+                    version, states = self.registry.snapshot(self.resource_name)
+                    if version != seen:
+                        yield pb.ListAndWatchResponse(devices=[device_message(s) for s in states])
                 break
         log.debug("%s: ListAndWatch stream closed", self.resource_name)
 

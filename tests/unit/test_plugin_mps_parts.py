@@ -255,6 +255,14 @@ def test_a_stale_pid_file_is_never_believed(base: Path) -> None:
         assert daemon.running_pid() == daemon.pid
         daemon.stop()
         assert stranger.poll() is None  # never signalled
+        # A socket that answers but whose owner does not run the control program (here: this test), and a
+        # pid file naming a stranger: neither is taken for the daemon.
+        import socket
+
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+            listener.bind(daemon.socket_path)
+            listener.listen(1)
+            assert daemon.running_pid() is None
     finally:
         stranger.kill()
         stranger.wait()

@@ -548,6 +548,20 @@ def test_install_refuses_an_mps_root_the_unit_hides_from_pods(
     plan_install(host, config_file=path, start=False, executable=executable)
 
 
+def test_install_checks_the_mps_root_the_units_environment_file_sets(tmp_path: Path) -> None:
+    from gpunode.systemd.service import plan_install
+
+    shared = MPS_ONE.split("\n", 1)[1].replace("replicas: 1", "replicas: 2")
+    host, path = nvidia(tmp_path, f"version: v1\n{shared}")
+    env_file = tmp_path / "etc/default/gpunode-device-plugin"
+    env_file.parent.mkdir(parents=True)
+    env_file.write_text("# set by hand\nGPUNODE_MPS_ROOT='/tmp/nvidia-mps'  # MPS's own default\n")
+    with pytest.raises(ConfigError, match=r"mps\.root /tmp/nvidia-mps lies under /tmp"):
+        plan_install(host, config_file=path, start=False, executable="/usr/local/bin/gpunode")
+    env_file.write_text("GPUNODE_MPS_ROOT=/run/mps\n")
+    plan_install(host, config_file=path, start=False, executable="/usr/local/bin/gpunode")
+
+
 def test_advertise_reads_sharing_from_an_installed_nvidia_file(tmp_path: Path) -> None:
     from gpunode.advertise import plugin_sharing
     from gpunode.kube.labels import Sharing as LabelSharing

@@ -143,3 +143,39 @@ def test_a_change_that_ends_where_it_began_is_still_sent_once(served: tuple[Hook
     while messages[-1] != ["Healthy", "Unhealthy", "Healthy", "Healthy"]:
         messages.append(health(next(call)))
     assert len(messages) <= 3
+
+
+@pytest.mark.parametrize("gone", [True, False], ids=["resource-gone", "no-device-left"])
+def test_a_server_stopped_for_a_change_sends_that_change_first(gone: bool) -> None:
+    """A MIG change leaves a resource with no device: the event loop replaces the registry's resources
+    (waking the stream) and then stops the resource's server. Whichever the stream sees first, kubelet gets
+    the empty list before the stream ends, and so shows 0 at once instead of the last list."""
+    import dataclasses
+
+    [resource] = build_resources(simulated_inventory("pcie-4"))
+    registry = HookedRegistry([resource])
+    service = DevicePluginService(
+        resource.name,
+        registry,
+        Topology.from_inventory(simulated_inventory("pcie-4")),
+        ServeSettings(pre_start_required=False, allocate=AllocateSettings()),
+    )
+
+    def replace_then_stop() -> None:
+        # Both done before the stream's wait looks: the stop is what it sees first.
+        registry.replace([] if gone else [dataclasses.replace(resource, devices=())])
+        service.stopping.set()
+
+    with short_tempdir() as base:
+        server = ResourceServer(str(base / "dp.sock"), service)
+        server.start()
+        try:
+            with grpc.insecure_channel(f"unix://{base / 'dp.sock'}") as channel:
+                registry.before_wait = replace_then_stop  # the stream's first wait is the hooked one
+                call = pb_grpc.DevicePluginStub(channel).ListAndWatch(pb.Empty(), timeout=DEADLINE)
+                assert health(next(call)) == ["Healthy"] * 4
+                assert health(next(call)) == []
+                assert list(call) == []  # and then the stream ends
+        finally:
+            registry.close()
+            server.stop(grace=0.0)
