@@ -68,14 +68,24 @@ def _unit_environment(host: Host, unit: str, properties: Mapping[str, str]) -> l
         env_file = line.rsplit(" (", 1)[0].strip()
         if not env_file.startswith("/"):
             continue
-        text = host.read_text_if_exists(env_file) or ""
-        for raw in text.splitlines():
-            name, eq, value = raw.strip().removeprefix("export ").partition("=")
-            if eq and name.strip() == ENV:
-                words = _split(value)
-                if words and words[0]:
-                    places = [Place(words[0], f"{unit} EnvironmentFile={env_file}")]
+        from_file = environment_file(host, env_file).get(ENV)
+        if from_file:
+            places = [Place(from_file, f"{unit} EnvironmentFile={env_file}")]
     return places
+
+
+def environment_file(host: Host, path: str) -> dict[str, str]:
+    """The variables a unit's EnvironmentFile= sets, as systemd reads it: KEY=VALUE a line, `export ` and
+    `#` comments allowed, shell-like quoting (a line with an unbalanced quote is skipped); the last
+    assignment of a name wins. A missing file sets nothing."""
+    env: dict[str, str] = {}
+    for raw in (host.read_text_if_exists(path) or "").splitlines():
+        name, eq, value = raw.strip().removeprefix("export ").partition("=")
+        if not eq or not name.strip() or name.lstrip().startswith("#"):
+            continue
+        words = _split(value)
+        env[name.strip()] = words[0] if words else ""
+    return env
 
 
 def _split(text: str) -> list[str]:

@@ -280,27 +280,7 @@ def plan_install(
 
 # Where the unit's own hardening puts a private or read-only view (ProtectSystem=full: /usr, /boot, /etc).
 _UNIT_PRIVATE = {**_HIDING, "ProtectSystem=full": ("/usr", "/boot", "/etc", "/efi")}
-
-
 UNIT_ENV_FILE = "/etc/default/gpunode-device-plugin"  # the unit's EnvironmentFile= (see the template)
-
-
-def _unit_environment_file(host: Host) -> dict[str, str]:
-    """The GPUNODE_* settings of the unit's environment file, as systemd hands them to the plugin (one
-    KEY=VALUE a line, `#` comments, shell-like quoting)."""
-    import shlex
-
-    env: dict[str, str] = {}
-    for raw in (host.read_text_if_exists(UNIT_ENV_FILE) or "").splitlines():
-        name, eq, value = raw.strip().removeprefix("export ").partition("=")
-        if not eq or not name.strip().startswith("GPUNODE_"):
-            continue
-        try:
-            words = shlex.split(value, comments=True)
-        except ValueError:
-            continue  # an unbalanced quote: systemd skips the line too
-        env[name.strip()] = words[0] if words else ""
-    return env
 
 
 def _validated_config(host: Host, config_file: str, executable: str) -> str:
@@ -311,7 +291,7 @@ def _validated_config(host: Host, config_file: str, executable: str) -> str:
         raise NotFound(f"plugin config {config_file} does not exist", "give the path of a plugin TOML file")
     # The whole resolution, as the service will do it (the file, and the unit's environment file):
     # unknown keys, bad values, impossible combinations.
-    config = load_config(host, config_path=config_file, env=_unit_environment_file(host))
+    config = load_config(host, config_path=config_file, env=statusfile.environment_file(host, UNIT_ENV_FILE))
     if any(e.replicas > 1 for e in config.mps_resources):
         # The MPS daemons' pipe and shm directories must be the ones pods mount from the host: under a
         # directory the unit makes private (PrivateTmp) or read-only, the daemons would live in the
