@@ -9,6 +9,7 @@ next, unrelated, change: the read would then hit the call's deadline (generous; 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -63,8 +64,10 @@ def mark_from_another_thread(registry: DeviceRegistry, unit: Unit, reason: str |
     return hook
 
 
-@pytest.fixture
-def served() -> Iterator[tuple[HookedRegistry, Callable[[], Any]]]:
+@contextlib.contextmanager
+def serving() -> Iterator[tuple[HookedRegistry, DevicePluginService, Callable[[], Any]]]:
+    """pcie-4's nvidia.com/gpu served on a private socket: its registry, its service, and a way to open a
+    ListAndWatch stream (cancelled at the end)."""
     [resource] = build_resources(simulated_inventory("pcie-4"))
     registry = HookedRegistry([resource])
     service = DevicePluginService(
@@ -86,12 +89,18 @@ def served() -> Iterator[tuple[HookedRegistry, Callable[[], Any]]]:
                     calls.append(pb_grpc.DevicePluginStub(channel).ListAndWatch(pb.Empty(), timeout=DEADLINE))
                     return calls[-1]
 
-                yield registry, open_stream
+                yield registry, service, open_stream
                 for call in calls:
                     call.cancel()
         finally:
             registry.close()
             server.stop(grace=0.0)
+
+
+@pytest.fixture
+def served() -> Iterator[tuple[HookedRegistry, Callable[[], Any]]]:
+    with serving() as (registry, _, open_stream):
+        yield registry, open_stream
 
 
 def health(message: pb.ListAndWatchResponse) -> list[str]:
@@ -152,30 +161,16 @@ def test_a_server_stopped_for_a_change_sends_that_change_first(gone: bool) -> No
     the empty list before the stream ends, and so shows 0 at once instead of the last list."""
     import dataclasses
 
-    [resource] = build_resources(simulated_inventory("pcie-4"))
-    registry = HookedRegistry([resource])
-    service = DevicePluginService(
-        resource.name,
-        registry,
-        Topology.from_inventory(simulated_inventory("pcie-4")),
-        ServeSettings(pre_start_required=False, allocate=AllocateSettings()),
-    )
+    with serving() as (registry, service, open_stream):
+        [resource] = registry.resources()
 
-    def replace_then_stop() -> None:
-        # Both done before the stream's wait looks: the stop is what it sees first.
-        registry.replace([] if gone else [dataclasses.replace(resource, devices=())])
-        service.stopping.set()
+        def replace_then_stop() -> None:
+            # Both done before the stream's wait looks: the stop is what it sees first.
+            registry.replace([] if gone else [dataclasses.replace(resource, devices=())])
+            service.stopping.set()
 
-    with short_tempdir() as base:
-        server = ResourceServer(str(base / "dp.sock"), service)
-        server.start()
-        try:
-            with grpc.insecure_channel(f"unix://{base / 'dp.sock'}") as channel:
-                registry.before_wait = replace_then_stop  # the stream's first wait is the hooked one
-                call = pb_grpc.DevicePluginStub(channel).ListAndWatch(pb.Empty(), timeout=DEADLINE)
-                assert health(next(call)) == ["Healthy"] * 4
-                assert health(next(call)) == []
-                assert list(call) == []  # and then the stream ends
-        finally:
-            registry.close()
-            server.stop(grace=0.0)
+        registry.before_wait = replace_then_stop  # the stream's first wait is the hooked one
+        call = open_stream()
+        assert health(next(call)) == ["Healthy"] * 4
+        assert health(next(call)) == []
+        assert list(call) == []  # and then the stream ends
