@@ -341,6 +341,8 @@ class Plugin:
             self._schedule_discovery()
             if first:
                 self.registry.replace(())
+            else:
+                self._update_services()  # a reload's new settings apply while the GPUs cannot be read too
             return
         self.status.nvml_error = None
         resources = build_resources(
@@ -388,9 +390,7 @@ class Plugin:
             # Servers that stay answer Allocate for new devices too: they get the new discovery's device
             # nodes (MIG nvidia-caps) and topology before the new lists reach kubelet (replace() wakes the
             # streams), so an Allocate of a device kubelet just learnt of never misses its nodes.
-            settings = self._serve_settings()
-            for served in self._served.values():
-                served.server.service.update(self._topology, settings)
+            self._update_services()
         self.registry.replace(resources, {g.uuid: g.index for g in inventory.gpus if g.uuid})
         marked = self.registry.unhealthy_units()
         for gpu in inventory.gpus:
@@ -580,6 +580,12 @@ class Plugin:
             )
             return
 
+    def _update_services(self) -> None:
+        """The running servers take the current topology, device nodes and settings."""
+        settings = self._serve_settings()
+        for served in self._served.values():
+            served.server.service.update(self._topology, settings)
+
     def _schedule_discovery(self) -> None:
         if self._discovery_timer is not None:
             self._discovery_timer.cancel()
@@ -616,13 +622,10 @@ class Plugin:
         if old.socket_dir != config.socket_dir and self._watch is not None:
             self._watch.stop()
             self._start_watch()
-        # Servers of resources that stay keep their sockets and take the new settings (_load_devices gave
-        # them already where the GPUs could be read; again here for a reload while NVML fails); registering
-        # again makes kubelet open a fresh stream (and read the new options) without a gap in which it
-        # would count the devices as unhealthy. Resources that went away are stopped by _reconcile.
-        settings = self._serve_settings()
+        # Servers of resources that stay keep their sockets and took the new settings (_load_devices);
+        # registering again makes kubelet open a fresh stream (and read the new options) without a gap in
+        # which it would count the devices as unhealthy. Resources that went away are stopped by _reconcile.
         for served in self._served.values():
-            served.server.service.update(self._topology, settings)
             served.registered_with = None
 
     # -- serve and register ---------------------------------------------------------------------
