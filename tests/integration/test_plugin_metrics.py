@@ -141,10 +141,18 @@ def test_xid_changes_metrics_event_and_condition(
         plugin.wait_for_log("metrics: serving")
 
         # Healthy node: every device 1, kubelet's view, a registration, the library's process metrics.
+        # kubelet can list the devices before the plugin's event loop has taken the new devices and the
+        # registration into the metrics (a scrape may lag kubelet by milliseconds), so wait for all of it.
+        def started(s: dict[str, list[tuple[dict[str, str], float]]]) -> bool:
+            wanted = (
+                "gpunode_resource_devices_allocatable",
+                "gpunode_resource_devices_advertised",
+                "gpunode_registrations_total",
+            )
+            return all(s.get(name) for name in wanted)
+
         samples = wait_until(
-            lambda: (s := scrape(address)).get("gpunode_resource_devices_allocatable") and s,
-            "allocatable never scraped",
-            plugin,
+            lambda: (s := scrape(address)) and started(s) and s, "the start never reached the metrics", plugin
         )
         assert value(samples, "gpunode_resource_devices_advertised", resource=GPU) == 4
         assert value(samples, "gpunode_resource_devices_healthy", resource=GPU) == 4
