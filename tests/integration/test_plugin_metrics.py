@@ -115,7 +115,9 @@ def condition(api: ApiServer) -> dict[str, Any] | None:
     return None
 
 
-def start_plugin(socket_dir: Path, api: ApiServer, pki: Pki, control: Path, port: int) -> PluginProcess:
+def start_plugin(
+    socket_dir: Path, api: ApiServer, pki: Pki, control: Path, port: int, *, quiet_period: float
+) -> PluginProcess:
     kubeconfig = kubelet_kubeconfig(socket_dir.parent, api, pki)
     env = {
         "GPUNODE_METRICS_ADDRESS": f"127.0.0.1:{port}",
@@ -123,7 +125,11 @@ def start_plugin(socket_dir: Path, api: ApiServer, pki: Pki, control: Path, port
         "GPUNODE_NODE_NAME": NODE,
     }
     return PluginProcess(
-        socket_dir, ["--recovery-quiet-period", "1"], profile="pcie-4", control=control, env=env
+        socket_dir,
+        ["--recovery-quiet-period", f"{quiet_period:g}"],
+        profile="pcie-4",
+        control=control,
+        env=env,
     )
 
 
@@ -134,7 +140,9 @@ def test_xid_changes_metrics_event_and_condition(
     control.write_text("")
     port = free_port()
     address = f"127.0.0.1:{port}"
-    with start_plugin(socket_dir, api, pki, control, port) as plugin:
+    # Long enough for the unhealthy state to be scraped, and for the reporter to write the False condition
+    # before the recovery replaces it (it writes only the newest condition), on a busy machine.
+    with start_plugin(socket_dir, api, pki, control, port, quiet_period=5) as plugin:
         kubelet.wait_registered(GPU)
         devices = kubelet.wait_for_devices(GPU, lambda d: len(d) == 4)
         plugin.wait_for_log("health monitor armed")
@@ -149,7 +157,12 @@ def test_xid_changes_metrics_event_and_condition(
                 "gpunode_resource_devices_advertised",
                 "gpunode_registrations_total",
             )
-            return all(s.get(name) for name in wanted)
+            # A registration's counter child exists (at 0) before it is incremented, and the delay is
+            # observed after: wait for the figures, not only the series.
+            return all(s.get(name) for name in wanted) and (
+                value(s, "gpunode_registrations_total", resource=GPU) == 1
+                and bool(s.get("gpunode_registration_delay_seconds_count"))
+            )
 
         samples = wait_until(
             lambda: (s := scrape(address)) and started(s) and s, "the start never reached the metrics", plugin
@@ -249,7 +262,8 @@ def test_a_hanging_api_never_delays_health_or_allocate(
     control.write_text("")
     api.delay_next(600.0, count=1000)  # answers only when the server stops
     port = free_port()
-    with start_plugin(socket_dir, api, pki, control, port) as plugin:
+    # No recovery: the unhealthy GPU stays so until the test has seen it everywhere.
+    with start_plugin(socket_dir, api, pki, control, port, quiet_period=0) as plugin:
         kubelet.wait_registered(GPU)
         devices = kubelet.wait_for_devices(GPU, lambda d: len(d) == 4)
         plugin.wait_for_log("health monitor armed")

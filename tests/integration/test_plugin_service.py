@@ -207,7 +207,9 @@ def test_install_registers_is_idempotent_restarts_after_kill_and_uninstall_remov
     assert all(d.health == HEALTHY for d in devices), devices
     assert box.path(CONFIG_PATH).read_text() == GIVEN_CONFIG_TEXT
     # The installed config is the one the plugin runs with.
-    assert "a GPU is healthy again after 5s fine" in box.journal(UNIT)
+    # Logged by the health monitor's own thread when it arms, unordered with the registration: wait for it.
+    armed = "a GPU is healthy again after 5s fine"
+    wait_until(lambda: armed in box.journal(UNIT) or None, "the health monitor's arm line", box)
     status = gpunode(box, "status")
     assert status.returncode == ExitCode.OK, explain(status, box)
     assert f"  {REGISTERED} ({PLUGIN_SOCKET})" in status.stdout.splitlines(), status.stdout
