@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -355,17 +356,47 @@ class TomlFormat:
 
 
 def parse_toml_document(text: str, path: str) -> tomlkit.TOMLDocument:
-    """Parse TOML keeping its formatting; syntax errors name the file, line and column."""
+    """Parse TOML keeping its formatting; syntax errors name the file, line and column.
+
+    tomlkit refuses some valid layouts (a table's sub-tables split around another table, after an indented
+    header: its OutOfOrderTableProxy fails). Such a file is checked with tomllib, so the operator is told
+    the editor's limit, not that the file the runtime reads every day is broken."""
     try:
         return tomlkit.parse(text)
     except ParseError as exc:
         reason = re.sub(r"\s*at line \d+ col \d+\s*$", "", str(exc))
+        where = f"line {exc.line}, column {exc.col + 1}"
+        if valid_toml(text):
+            raise _layout_error(path, f"{reason} ({where})", f"line {exc.line}") from None
         raise ConfigError(
-            f"{path} is not valid TOML: {reason} (line {exc.line}, column {exc.col + 1})",
-            f"correct line {exc.line} of {path}",
+            f"{path} is not valid TOML: {reason} ({where})", f"correct line {exc.line} of {path}"
         ) from None
     except TOMLKitError as exc:
+        if valid_toml(text):
+            raise _layout_error(path, str(exc), "the file") from None
         raise ConfigError(f"{path} is not valid TOML: {exc}", f"correct {path}") from None
+
+
+def valid_toml(text: str) -> bool:
+    """Whether TOML's reference reader (tomllib) accepts the text."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - the backport, on Python 3.10 only
+        import tomli as tomllib
+    try:
+        tomllib.loads(text)
+    except tomllib.TOMLDecodeError:
+        return False
+    return True
+
+
+def _layout_error(path: str, reason: str, where: str) -> ConfigError:
+    return ConfigError(
+        f"{path} is valid TOML, but gpunode's TOML editor (tomlkit) cannot keep its layout: {reason}; "
+        "nothing was changed",
+        f"in {path}, move the table at {where} next to the other tables under the same header and drop any "
+        "indentation before its header (the runtime reads the file the same), then run gpunode again",
+    )
 
 
 def new_toml_document(header: str | None = None) -> MutableMapping[str, Any]:

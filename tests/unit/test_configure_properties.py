@@ -1238,15 +1238,28 @@ SystemdCgroup = true
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open defect: a tomlkit OutOfOrderTableProxy error on a valid split [runtimes] layout is reported "
-    "as invalid TOML",
-)
-def test_a_valid_file_is_not_reported_as_invalid_toml(tmp_path: Path) -> None:
+def test_a_valid_file_tomlkit_cannot_edit_is_not_reported_as_invalid_toml(tmp_path: Path) -> None:
+    """tomlkit fails on this valid layout (OutOfOrderTableProxy): the operator is told the file is valid,
+    what to move, and that nothing changed; not that the file containerd runs with is broken."""
     tomlread.loads(SPLIT_RUNTIMES)
     put(tmp_path, CONTAINERD_CONFIG, SPLIT_RUNTIMES)
-    try:
+    with pytest.raises(ConfigError) as info:
         configure.plan_configure(make_host(tmp_path), "containerd", ConfigureOptions())
-    except ConfigError as err:
-        assert "is not valid TOML" not in err.message, f"a valid file is blamed: {err.message}"
+    err = info.value
+    assert "is not valid TOML" not in err.message, f"a valid file is blamed: {err.message}"
+    assert err.message.startswith(f"{CONTAINERD_CONFIG} is valid TOML, but gpunode's TOML editor")
+    assert "nothing was changed" in err.message and "line 5" in err.message
+    assert err.fix is not None and "line 5" in err.fix and "next to the other tables" in err.fix
+    code = main(["configure-runtime", "containerd", "--no-restart"], host=make_host(tmp_path))
+    assert code == ExitCode.CONFIG
+    assert (tmp_path / CONTAINERD_CONFIG.lstrip("/")).read_text() == SPLIT_RUNTIMES
+
+
+def test_a_broken_file_is_still_reported_as_invalid_toml(tmp_path: Path) -> None:
+    broken = SPLIT_RUNTIMES.replace("SystemdCgroup = true", "SystemdCgroup = ")
+    with pytest.raises(tomlread.TOMLDecodeError):
+        tomlread.loads(broken)
+    put(tmp_path, CONTAINERD_CONFIG, broken)
+    with pytest.raises(ConfigError) as info:
+        configure.plan_configure(make_host(tmp_path), "containerd", ConfigureOptions())
+    assert info.value.message.startswith(f"{CONTAINERD_CONFIG} is not valid TOML")
