@@ -606,13 +606,33 @@ def _cri_notes(
     return notes
 
 
+def systemd_cgroup_reference(settings: Mapping[str, bool], default: str, nvidia: str) -> str | None:
+    """The runtime whose SystemdCgroup the nvidia runtime must match, from each candidate's setting (the
+    default, runc, crun where defined). The editor and doctor's reader both ask this, so a file gpunode
+    wrote never fails its own check.
+
+    While nvidia is not the default, the default: pods run with it, and gpunode copies it. Once nvidia is
+    the default, the runtime it was copied from is no longer known: runc, else crun — but where those two
+    disagree (a crun default without SystemdCgroup beside a runc with it), nvidia matches the one it was
+    copied from and nothing can tell which is right; a second run must not flip it either."""
+    names = [n for n in (default, "runc", "crun") if n != nvidia and n in settings]
+    if not names:
+        return None
+    if default == nvidia and len({settings[n] for n in names}) > 1:
+        return None
+    return names[0]
+
+
 def _systemd_cgroup_notes(runtimes: Mapping[str, Mapping[str, Any]], nvidia: str, default: str) -> list[str]:
-    reference = next((n for n in (default, "runc", "crun") if n != nvidia and n in runtimes), None)
+    settings = {
+        n: runtime_options(runtimes[n]).get("SystemdCgroup") is True
+        for n in (default, "runc", "crun")
+        if n in runtimes
+    }
+    reference = systemd_cgroup_reference(settings, default, nvidia)
     if reference is None:
         return []
-    if runtime_options(runtimes[reference]).get("SystemdCgroup") is True and (
-        runtime_options(runtimes[nvidia]).get("SystemdCgroup") is not True
-    ):
+    if settings[reference] and (runtime_options(runtimes[nvidia]).get("SystemdCgroup") is not True):
         return [
             f'runtime "{nvidia}" lacks `SystemdCgroup = true` while "{reference}" has it: pods run with '
             "it end up in the wrong cgroups and get killed on systemd-cgroup nodes"

@@ -252,6 +252,27 @@ def _reference_runtime(
     return {}, None
 
 
+def _systemd_cgroup_settings(
+    runtimes: Mapping[str, Mapping[str, Any]], default: str, cri: Mapping[str, Any]
+) -> dict[str, bool]:
+    """Whether each runc-type candidate (the default, runc, crun) runs with SystemdCgroup, a legacy v1-shim
+    one read as it is converted."""
+    settings: dict[str, bool] = {}
+    for candidate in (default, "runc", "crun"):
+        entry = runtimes.get(candidate)
+        if entry is None:
+            continue
+        runtime_type = entry.get("runtime_type", RUNC_V2)
+        if runtime_type in (RUNC_V2, RUNC_V1):
+            options = plain(entry).get("options")
+        elif runtime_type in LEGACY_TYPES:
+            options = _from_legacy_shim(plain(entry), cri)["options"]
+        else:
+            continue
+        settings[candidate] = isinstance(options, Mapping) and options.get("SystemdCgroup") is True
+    return settings
+
+
 def _from_legacy_shim(entry: Mapping[str, Any], cri: Mapping[str, Any]) -> dict[str, Any]:
     """A legacy v1-shim runtime as the runc v2 shim understands it: RuntimeRoot becomes Root, SystemdCgroup
     comes from its options or from the CRI plugin's `systemd_cgroup`, and the v1-only keys (runtime_engine,
@@ -312,10 +333,11 @@ def _add_nvidia(
         if existing.get("runtime_type") != RUNC_V2:
             editor.set((*entry_path, "runtime_type"), RUNC_V2)
         editor.set((*entry_path, "options", "BinaryName"), opts.runtime_path)
-        ref_cgroup = (reference.get("options") or {}).get("SystemdCgroup")
-        if ref_cgroup is True and editor.set((*entry_path, "options", "SystemdCgroup"), True):
+        settings = _systemd_cgroup_settings(runtimes, default, ctd.cri_table(merged, version))
+        ref = ctd.systemd_cgroup_reference(settings, default, opts.runtime_name)
+        if ref is not None and settings[ref] and editor.set((*entry_path, "options", "SystemdCgroup"), True):
             messages.append(
-                f'added SystemdCgroup = true to "{opts.runtime_name}", as the default runtime has it: '
+                f'added SystemdCgroup = true to "{opts.runtime_name}", as "{ref}" has it: '
                 "without it pods are killed on systemd-cgroup nodes"
             )
     if opts.set_as_default and version < 3 and ctd.cri_table(merged, version).get("systemd_cgroup") is True:

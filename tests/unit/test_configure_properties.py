@@ -1135,15 +1135,11 @@ BinaryName = "/usr/bin/crun"
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open defect: after --set-as-default the editor copies the previous default's options while "
-    "doctor's reader compares the new default with runc",
-)
 def test_mixed_systemd_cgroup_default_is_consistent_with_the_reader(tmp_path: Path) -> None:
     """crun is the default without SystemdCgroup, runc has it. The editor copies the previous default's
-    options (crun's) into nvidia; once nvidia is the default, the reader compares nvidia with runc and
-    reports a problem: doctor fails on the file gpunode just wrote. Editor and reader must agree."""
+    options (crun's) into nvidia; once nvidia is the default, the reader used to compare nvidia with runc
+    and report a problem: doctor failed on the file gpunode had just written, and a second run added
+    SystemdCgroup. Editor and reader agree, and the second run changes nothing."""
     put(tmp_path, CONTAINERD_CONFIG, MIXED_CGROUPS)
     host = make_host(tmp_path)
     assert not containerd.read_state(host).problems
@@ -1152,6 +1148,35 @@ def test_mixed_systemd_cgroup_default_is_consistent_with_the_reader(tmp_path: Pa
     state = containerd.read_state(host)
     assert state.nvidia_is_default
     assert not state.problems, state.problems
+    written = (tmp_path / CONTAINERD_CONFIG.lstrip("/")).read_text()
+    assert "SystemdCgroup" not in tomlread.loads(written)["plugins"]["io.containerd.grpc.v1.cri"][
+        "containerd"
+    ]["runtimes"]["nvidia"].get("options", {})
+    again = configure.plan_configure(host, "containerd", opts)
+    assert not again.pending, again
+    assert (tmp_path / CONTAINERD_CONFIG.lstrip("/")).read_text() == written
+
+
+def test_systemd_cgroup_is_still_checked_once_nvidia_is_the_default(tmp_path: Path) -> None:
+    """Where the other runtimes agree (runc and crun with SystemdCgroup), an nvidia default without it is
+    reported, and configure-runtime adds it."""
+    agreeing = MIXED_CGROUPS.replace(
+        'BinaryName = "/usr/bin/crun"', 'BinaryName = "/usr/bin/crun"\nSystemdCgroup = true'
+    )
+    broken = agreeing.replace('default_runtime_name = "crun"', 'default_runtime_name = "nvidia"') + (
+        '[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.nvidia]\n'
+        'runtime_type = "io.containerd.runc.v2"\n'
+        '[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.nvidia.options]\n'
+        'BinaryName = "/usr/bin/nvidia-container-runtime"\n'
+    )
+    put(tmp_path, CONTAINERD_CONFIG, broken)
+    host = make_host(tmp_path)
+    (problem,) = containerd.read_state(host).problems
+    assert 'runtime "nvidia" lacks `SystemdCgroup = true` while "runc" has it' in problem
+    plan = configure.plan_configure(host, "containerd", ConfigureOptions(set_as_default=True))
+    assert any('added SystemdCgroup = true to "nvidia", as "runc" has it' in m for m in plan.messages), plan
+    configure.apply(host, plan, restart=False)
+    assert not containerd.read_state(host).problems
 
 
 @pytest.mark.parametrize(
