@@ -1,7 +1,8 @@
 """The plugin's settings: one table of options, each a TOML key, an environment variable and a flag.
 
-Precedence is flag > environment > file > default, resolved per option. NVIDIA's `DP_DISABLE_HEALTHCHECKS`
-and `DP_ENABLE_HEALTHCHECKS` count as environment. Unknown keys, wrong types and bad values are errors
+Precedence is flag > environment > file > default, resolved per option. NVIDIA's variables (`MIG_STRATEGY`,
+..., `CONFIG_FILE`; `DP_DISABLE_HEALTHCHECKS` and `DP_ENABLE_HEALTHCHECKS`) count as environment, below
+gpunode's own. Unknown keys, wrong types and bad values are errors
 that name the key and where it came from; nothing is ignored silently.
 """
 
@@ -21,6 +22,7 @@ from gpunode.plugin.health import APPLICATION_XIDS, HealthSettings, apply_dp_env
 
 DEFAULT_CONFIG = "/etc/gpunode/plugin.toml"
 CONFIG_ENV = "GPUNODE_PLUGIN_CONFIG"
+NVIDIA_CONFIG_ENV = "CONFIG_FILE"  # NVIDIA's plugin's --config-file variable
 DEVICE_LIST_STRATEGIES = ("envvar", "volume-mounts", "cdi-cri", "cdi-annotations")
 PLACEMENTS = ("spread", "packed")
 
@@ -445,12 +447,18 @@ def resource_name_problem(name: str) -> str | None:
     return None
 
 
-def read_config_file(host: Host, path: str, *, required: bool) -> dict[str, tuple[Any, str]]:
-    """The options set in a TOML file, by option name, with their origin. Unknown keys are errors."""
+def read_config_file(
+    host: Host, path: str, *, required: bool, named_by: str = "--config"
+) -> dict[str, tuple[Any, str]]:
+    """The options set in a TOML file, by option name, with their origin. Unknown keys are errors.
+    `named_by` is what gave the path (a flag or a variable), for the error when it does not exist."""
     text = host.read_text_if_exists(path)
     if text is None:
         if required:
-            raise NotFound(f"plugin config {path} does not exist", f"create it, or drop --config {path}")
+            raise NotFound(
+                f"plugin config {path} does not exist (given by {named_by})",
+                f"create it, or drop {named_by} {path}",
+            )
         return {}
     from gpunode.runtimes.edits import parse_toml_document  # tomlkit: only when there is a file
 
@@ -500,17 +508,28 @@ def load_config(
 
     `flags` maps option names (PluginConfig fields, "health.<field>") to values already typed by the CLI,
     or None where the flag was not given. `config_path` None means $GPUNODE_PLUGIN_CONFIG, else
-    /etc/gpunode/plugin.toml if it exists.
+    $CONFIG_FILE, else /etc/gpunode/plugin.toml if it exists.
     """
     env = host.env if env is None else env
-    explicit = config_path or env.get(CONFIG_ENV) or None
+    # The file: --config, else $GPUNODE_PLUGIN_CONFIG, else NVIDIA's $CONFIG_FILE (environment too, below
+    # gpunode's own variable), else the default if it exists.
+    sources = (
+        ("--config", config_path),
+        (f"${CONFIG_ENV}", env.get(CONFIG_ENV)),
+        (f"${NVIDIA_CONFIG_ENV}", env.get(NVIDIA_CONFIG_ENV)),
+    )
+    named_by, explicit = next(((by, given) for by, given in sources if given), ("--config", None))
     if explicit is not None and not explicit.startswith("/"):
         # `--config plugin.yaml`: relative to where the command runs, as any command-line path.
         import os
 
         explicit = os.path.abspath(explicit)
+    from gpunode.plugin.nvidia_config import environment_options
+
+    # Each level wins over the one before: the file, NVIDIA's variables, gpunode's, flags.
     levels: list[dict[str, tuple[Any, str]]] = [
-        read_config_file(host, explicit or DEFAULT_CONFIG, required=bool(explicit)),
+        read_config_file(host, explicit or DEFAULT_CONFIG, required=bool(explicit), named_by=named_by),
+        environment_options(env),
         {},
         {},
     ]
@@ -518,12 +537,12 @@ def load_config(
         raw = env.get(option.env)
         if raw is not None and raw != "":
             origin = f"env {option.env}"
-            levels[1][option.name] = (option.parse(raw, _where(origin, option.env)), origin)
+            levels[2][option.name] = (option.parse(raw, _where(origin, option.env)), origin)
     for name, value in (flags or {}).items():
         if value is not None:
             option = _BY_NAME[name]
             origin = f"flag {option.flag}"
-            levels[2][name] = (option.parse(value, _where(origin, option.flag)), origin)
+            levels[3][name] = (option.parse(value, _where(origin, option.flag)), origin)
 
     top: dict[str, Any] = {}
     origins: dict[str, str] = {o.name: "default" for o in OPTIONS}

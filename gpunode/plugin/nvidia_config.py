@@ -105,6 +105,43 @@ NOTES = {
 }
 # Keys whose only meaningful values here are these (others are refused: gpunode cannot do what they ask).
 _ONLY = {"flags.deviceDiscoveryStrategy": ("auto", "nvml")}
+# NVIDIA's environment variables (its command line's EnvVars) -> the key of its file each stands for: a
+# value is checked and translated as that key's. CONFIG_FILE is read by config.load_config;
+# RESOURCE_NAME_PREFIX is taken only at its default (environment_options).
+ENVIRONMENT = {
+    "MIG_STRATEGY": "flags.migStrategy",
+    "FAIL_ON_INIT_ERROR": "flags.failOnInitError",
+    "NVIDIA_DRIVER_ROOT": "flags.nvidiaDriverRoot",
+    "NVIDIA_DEV_ROOT": "flags.nvidiaDevRoot",
+    "PASS_DEVICE_SPECS": "flags.plugin.passDeviceSpecs",
+    "DEVICE_LIST_STRATEGY": "flags.plugin.deviceListStrategy",
+    "DEVICE_ID_STRATEGY": "flags.plugin.deviceIDStrategy",
+    "GDS_ENABLED": "flags.gdsEnabled",
+    "MOFED_ENABLED": "flags.mofedEnabled",
+    "GDRCOPY_ENABLED": "flags.gdrcopyEnabled",
+    "KUBELET_SOCKET": "flags.plugin.kubeletSocket",
+    "CDI_ANNOTATION_PREFIX": "flags.plugin.cdiAnnotationPrefix",
+    "NVIDIA_CDI_HOOK_PATH": "flags.plugin.nvidiaCTKPath",
+    "NVIDIA_CTK_PATH": "flags.plugin.nvidiaCTKPath",
+    "DRIVER_ROOT_CTR_PATH": "flags.plugin.containerDriverRoot",
+    "CONTAINER_DRIVER_ROOT": "flags.plugin.containerDriverRoot",
+    "MPS_ROOT": "flags.mpsRoot",
+    "DEVICE_DISCOVERY_STRATEGY": "flags.deviceDiscoveryStrategy",
+    "IMEX_CHANNEL_IDS": "imex.channelIDs",
+    "IMEX_REQUIRED": "imex.required",
+    "CDI_FEATURE_FLAGS": "flags.plugin.cdiFeatureFlags",
+    "RESTART_ON_DEVICE_UNHEALTHY": "flags.restartOnDeviceUnhealthy",
+}
+# Keys NVIDIA's command line declares as BoolFlag: their variables take Go's strconv.ParseBool spellings.
+_GO_BOOLEANS = {
+    "flags.failOnInitError",
+    "flags.plugin.passDeviceSpecs",
+    "flags.gdsEnabled",
+    "flags.mofedEnabled",
+    "flags.gdrcopyEnabled",
+    "imex.required",
+    "flags.restartOnDeviceUnhealthy",
+}
 # YAML's merge key (`<<: *defaults`): NVIDIA's reader resolves it, so the keys it brings are checked too.
 _MERGE_TAG = "tag:yaml.org,2002:merge"
 # NVIDIA's allocation policy names -> gpunode's placement.
@@ -233,44 +270,104 @@ def _walk(
         if isinstance(target, dict):
             _walk(value_node, value, target, f"{dotted}.", path=path, out=out)
             continue
-        note = NOTES.get(dotted) or NOTES.get(prefix.rstrip("."), "")
-        if dotted in _ONLY and value not in _ONLY[dotted]:
-            raise ConfigError(
-                f"{path}, line {line}: {dotted}: {value!r} is not supported by gpunode",
-                f"use {' or '.join(_ONLY[dotted])}: {note}",
-            )
-        if dotted == "flags.plugin.kubeletSocket":
-            # NVIDIA's plugin takes kubelet.sock's path; gpunode takes the directory it is in (where the
-            # plugin's own sockets go too, as kubelet requires).
-            if not isinstance(value, str) or not value.startswith("/") or not value.endswith("/kubelet.sock"):
-                raise ConfigError(
-                    f"{path}, line {line}: {dotted}: {value!r} is not an absolute path to kubelet.sock",
-                    "give kubelet's socket, e.g. /var/lib/kubelet/device-plugins/kubelet.sock",
-                )
-            value = value.rsplit("/", 1)[0] or "/"
-        if dotted == "sharing.mps.failRequestsGreaterThanOne" and value is not True:
-            raise ConfigError(
-                f"{path}, line {line}: {dotted}: {value!r}: gpunode gives an MPS container one replica",
-                "remove the key (or set it true): a replica is a fixed share of one GPU, set by its MPS "
-                "daemon, and a container asking for two would still get one share",
-            )
         if dotted in _ENTRY_KEYS:
             _check_entries(value_node, value, dotted, path)
-        if dotted == "flags.plugin.sharedDevicesAllocationPolicy":
-            if value not in _POLICIES:
-                raise ConfigError(
-                    f"{path}, line {line}: {dotted}: {value!r} is not distributed or packed",
-                    "use distributed (gpunode's placement spread) or packed",
-                )
-            value = _POLICIES[value]
-        if dotted in ("flags.mpsRoot", "flags.plugin.containerDriverRoot") and not (
-            isinstance(value, str) and (value == "" or value.startswith("/"))
-        ):
-            raise ConfigError(f"{path}, line {line}: {dotted}: {value!r} is not an absolute path")
-        if dotted == "flags.mpsRoot" and value == "":
-            out.append(Setting(dotted, line, None, value, "empty: gpunode's default, /run/nvidia/mps"))
+        setting = _setting(dotted, value, f"{path}, line {line}: {dotted}", line)
+        out.append(setting)
+
+
+def _setting(dotted: str, value: Any, where: str, line: int = 0) -> Setting:
+    """What NVIDIA's key with this value becomes; ConfigError where gpunode cannot honour it. `where` names
+    the key as the operator wrote it: the file and line, or the environment variable."""
+    note = NOTES.get(dotted) or NOTES.get(dotted.rsplit(".", 1)[0], "")
+    if dotted in _ONLY and value not in _ONLY[dotted]:
+        raise ConfigError(
+            f"{where}: {value!r} is not supported by gpunode", f"use {' or '.join(_ONLY[dotted])}: {note}"
+        )
+    if dotted == "flags.plugin.kubeletSocket":
+        # NVIDIA's plugin takes kubelet.sock's path; gpunode takes the directory it is in (where the
+        # plugin's own sockets go too, as kubelet requires).
+        if not isinstance(value, str) or not value.startswith("/") or not value.endswith("/kubelet.sock"):
+            raise ConfigError(
+                f"{where}: {value!r} is not an absolute path to kubelet.sock",
+                "give kubelet's socket, e.g. /var/lib/kubelet/device-plugins/kubelet.sock",
+            )
+        value = value.rsplit("/", 1)[0] or "/"
+    if dotted == "sharing.mps.failRequestsGreaterThanOne" and value is not True:
+        raise ConfigError(
+            f"{where}: {value!r}: gpunode gives an MPS container one replica",
+            "remove the key (or set it true): a replica is a fixed share of one GPU, set by its MPS "
+            "daemon, and a container asking for two would still get one share",
+        )
+    if dotted == "flags.plugin.sharedDevicesAllocationPolicy":
+        if value not in _POLICIES:
+            raise ConfigError(
+                f"{where}: {value!r} is not distributed or packed",
+                "use distributed (gpunode's placement spread) or packed",
+            )
+        value = _POLICIES[value]
+    if dotted in ("flags.mpsRoot", "flags.plugin.containerDriverRoot") and not (
+        isinstance(value, str) and (value == "" or value.startswith("/"))
+    ):
+        raise ConfigError(f"{where}: {value!r} is not an absolute path")
+    if dotted == "flags.mpsRoot" and value == "":
+        return Setting(dotted, line, None, value, "empty: gpunode's default, /run/nvidia/mps")
+    return Setting(dotted, line, _option_of(dotted) or None, value, note)
+
+
+def _option_of(dotted: str) -> str:
+    target: Any = _SCHEMA
+    for part in dotted.split("."):
+        target = target[part]
+    assert isinstance(target, str)  # noqa: S101 (a leaf of the schema)
+    return target
+
+
+def environment_options(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
+    """The options NVIDIA's environment variables set (its plugin's flags' EnvVars), by option name, with
+    their origin. Each is read as NVIDIA's command line reads it (Go booleans, comma-separated lists) and
+    then checked as the same key of NVIDIA's file; an empty variable is unset."""
+    from gpunode.plugin.config import OPTIONS
+
+    by_name = {o.name: o for o in OPTIONS}
+    found: dict[str, tuple[Any, str]] = {}
+    prefix = env.get("RESOURCE_NAME_PREFIX")
+    if prefix and prefix != "nvidia.com":
+        raise ConfigError(
+            f"env RESOURCE_NAME_PREFIX: {prefix!r}: gpunode names resources in full, not by a prefix",
+            f'unset it and name the resources: resource-name = "{prefix}/gpu" (and resources.gpus / '
+            "resources.mig names for the others)",
+        )
+    for name, key in ENVIRONMENT.items():
+        raw = env.get(name)
+        if not raw:
             continue
-        out.append(Setting(dotted, line, target or None, value, note))
+        where = f"env {name}"
+        setting = _setting(key, _from_environment(key, raw, where), where)
+        if setting.option is None:
+            continue
+        option = by_name[setting.option]
+        found[option.name] = (option.parse(setting.value, f"{where} ({key})"), where)
+    return found
+
+
+def _from_environment(key: str, raw: str, where: str) -> Any:
+    """The value NVIDIA's urfave/cli flag would hold for this variable, typed as its YAML key is."""
+    if key in _GO_BOOLEANS:
+        value = raw.strip()
+        if value in ("1", "t", "T", "TRUE", "true", "True"):
+            return True
+        if value in ("0", "f", "F", "FALSE", "false", "False"):
+            return False
+        raise ConfigError(f"{where}: {raw!r} is not a boolean", "use true or false (or 1 / 0)")
+    if key == "imex.channelIDs":
+        parts = [p.strip() for p in raw.split(",")]
+        if not all(p.isdigit() for p in parts):
+            raise ConfigError(f"{where}: {raw!r} is not a comma-separated list of channel numbers", "use 0")
+        return [int(p) for p in parts]
+    if key == "flags.plugin.deviceListStrategy":
+        return [p.strip() for p in raw.split(",")]
+    return raw
 
 
 def _check_entries(node: Any, value: Any, key: str, path: str) -> None:

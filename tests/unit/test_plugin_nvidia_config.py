@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from gpunode.cli.main import main
-from gpunode.errors import ConfigError, ExitCode
+from gpunode.errors import ConfigError, ExitCode, NotFound
 from gpunode.host import Host
 from gpunode.plugin.allocate import AllocateSettings, DeviceNodes, allocate, read_device_nodes
 from gpunode.plugin.config import PluginConfig, load_config
@@ -560,6 +560,10 @@ def test_install_checks_the_mps_root_the_units_environment_file_sets(tmp_path: P
         plan_install(host, config_file=path, start=False, executable="/usr/local/bin/gpunode")
     env_file.write_text("GPUNODE_MPS_ROOT=/run/mps\n")
     plan_install(host, config_file=path, start=False, executable="/usr/local/bin/gpunode")
+    # NVIDIA's own variable, copied from a DaemonSet, is read and checked the same way.
+    env_file.write_text("MPS_ROOT=/tmp/nvidia-mps\n")
+    with pytest.raises(ConfigError, match=r"mps\.root /tmp/nvidia-mps lies under /tmp"):
+        plan_install(host, config_file=path, start=False, executable="/usr/local/bin/gpunode")
 
 
 def test_advertise_reads_sharing_from_an_installed_nvidia_file(tmp_path: Path) -> None:
@@ -651,3 +655,118 @@ def test_the_advertised_resource_with_an_mps_rename(tmp_path: Path) -> None:
     target.parent.mkdir(parents=True)
     target.write_text('[mps]\nresources = [{name = "nvidia.com/gpu", replicas = 2, rename = "gpu-mps"}]\n')
     assert plugin_resource(Host(root=tmp_path, env={})) == "nvidia.com/gpu-mps"
+
+
+# -- NVIDIA's environment variables ---------------------------------------------------------------------
+
+# Every variable NVIDIA's command line reads (its flags' EnvVars) that sets something, spelled as its Helm
+# chart or a DaemonSet would: Go's boolean spellings, comma-separated lists.
+NVIDIA_ENV = {
+    "MIG_STRATEGY": "mixed",
+    "FAIL_ON_INIT_ERROR": "F",
+    "NVIDIA_DRIVER_ROOT": "/run/nvidia/driver",
+    "NVIDIA_DEV_ROOT": "/",
+    "PASS_DEVICE_SPECS": "t",
+    "DEVICE_LIST_STRATEGY": "envvar,volume-mounts",
+    "DEVICE_ID_STRATEGY": "index",
+    "GDS_ENABLED": "true",
+    "MOFED_ENABLED": "1",
+    "GDRCOPY_ENABLED": "TRUE",
+    "KUBELET_SOCKET": "/var/lib/kubelet/plugins-k/kubelet.sock",
+    "CDI_ANNOTATION_PREFIX": "cdi.example.com/",
+    "MPS_ROOT": "/run/nvidia/mps-2",
+    "IMEX_CHANNEL_IDS": "0",
+    "IMEX_REQUIRED": "True",
+}
+
+
+def test_nvidias_environment_variables_set_their_options(tmp_path: Path) -> None:
+    config = load_config(Host(root=tmp_path, env={}), env=NVIDIA_ENV)
+    assert config.mig_strategy == "mixed" and config.fail_on_init_error is False
+    assert config.driver_root == "/run/nvidia/driver" and config.dev_root == "/"
+    assert config.pass_device_specs is True
+    assert config.device_list_strategy == ("envvar", "volume-mounts")
+    assert config.device_id_strategy == "index"
+    assert config.gds_enabled and config.mofed_enabled and config.gdrcopy_enabled
+    assert config.socket_dir == "/var/lib/kubelet/plugins-k"  # the directory of the kubelet.sock named
+    assert config.cdi_annotation_prefix == "cdi.example.com/"
+    assert config.mps_root == "/run/nvidia/mps-2"
+    assert config.imex_channel_ids == (0,) and config.imex_required is True
+    assert config.origins["mig_strategy"] == "env MIG_STRATEGY"
+    assert config.origins["socket_dir"] == "env KUBELET_SOCKET"
+
+
+def test_nvidias_variables_rank_above_the_file_and_below_gpunodes_own_and_flags(tmp_path: Path) -> None:
+    host, path = nvidia(tmp_path, "version: v1\nflags:\n  migStrategy: single\n  failOnInitError: true\n")
+    env = {"MIG_STRATEGY": "mixed", "FAIL_ON_INIT_ERROR": "false"}
+    config = load_config(host, config_path=path, env=env)
+    assert (config.mig_strategy, config.origins["mig_strategy"]) == ("mixed", "env MIG_STRATEGY")
+    config = load_config(host, config_path=path, env={**env, "GPUNODE_MIG_STRATEGY": "none"})
+    assert (config.mig_strategy, config.origins["mig_strategy"]) == ("none", "env GPUNODE_MIG_STRATEGY")
+    config = load_config(host, config_path=path, env=env, flags={"mig_strategy": "single"})
+    assert config.mig_strategy == "single" and config.fail_on_init_error is False
+    # Empty is unset, as for gpunode's own variables: the file's value stands.
+    config = load_config(host, config_path=path, env={"MIG_STRATEGY": ""})
+    assert config.mig_strategy == "single"
+
+
+def test_nvidias_variables_with_no_effect_are_checked_and_change_nothing(tmp_path: Path) -> None:
+    env = {
+        "NVIDIA_CTK_PATH": "/usr/bin/nvidia-ctk",
+        "NVIDIA_CDI_HOOK_PATH": "/usr/bin/nvidia-cdi-hook",
+        "CONTAINER_DRIVER_ROOT": "/driver-root",
+        "DRIVER_ROOT_CTR_PATH": "/driver-root",
+        "CDI_FEATURE_FLAGS": "disable-multiple-csv-devices",
+        "DEVICE_DISCOVERY_STRATEGY": "nvml",
+        "RESTART_ON_DEVICE_UNHEALTHY": "false",
+        "RESOURCE_NAME_PREFIX": "nvidia.com",
+    }
+    assert load_config(Host(root=tmp_path, env={}), env=env) == PluginConfig()
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"DEVICE_DISCOVERY_STRATEGY": "tegra"}, "env DEVICE_DISCOVERY_STRATEGY: 'tegra' is not supported"),
+        ({"FAIL_ON_INIT_ERROR": "maybe"}, "env FAIL_ON_INIT_ERROR: 'maybe' is not a boolean"),
+        ({"KUBELET_SOCKET": "kubelet.sock"}, "env KUBELET_SOCKET: 'kubelet.sock' is not an absolute path"),
+        ({"CONTAINER_DRIVER_ROOT": "driver"}, "env CONTAINER_DRIVER_ROOT: 'driver' is not an absolute path"),
+        ({"IMEX_CHANNEL_IDS": "zero"}, "env IMEX_CHANNEL_IDS: 'zero' is not a comma-separated list"),
+        ({"IMEX_CHANNEL_IDS": "1"}, "IMEX channel IDs must be [] or [0]"),
+        ({"MIG_STRATEGY": "all"}, "env MIG_STRATEGY (flags.migStrategy): 'all' is not one of"),
+        ({"DEVICE_LIST_STRATEGY": "envvar,cdi"}, "unknown device-list strategy 'cdi'"),
+        ({"RESOURCE_NAME_PREFIX": "example.com"}, "env RESOURCE_NAME_PREFIX: 'example.com'"),
+    ],
+    ids=["tegra", "bool", "socket", "ctr-root", "imex-text", "imex-1", "mig", "list", "prefix"],
+)
+def test_a_bad_nvidia_variable_is_refused_by_name(tmp_path: Path, env: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(Host(root=tmp_path, env={}), env=env)
+    assert message in info.value.message, info.value.message
+    assert info.value.exit_code == ExitCode.CONFIG
+
+
+def test_config_file_names_nvidias_file_below_gpunodes_variable(tmp_path: Path) -> None:
+    host, path = fixture(tmp_path, "time-slicing.yaml")
+    config = load_config(host, env={"CONFIG_FILE": path})
+    assert config.shared_resources == (SharedResource("nvidia.com/gpu", 10),)
+    assert config.origins["shared_resources"] == f"file {path} (sharing.timeSlicing.resources)"
+    (tmp_path / "own.toml").write_text("[time-slicing]\nreplicas = 2\n")
+    config = load_config(host, env={"CONFIG_FILE": path, "GPUNODE_PLUGIN_CONFIG": "/own.toml"})
+    assert config.replicas == 2 and config.shared_resources == ()
+    with pytest.raises(NotFound) as info:
+        load_config(host, env={"CONFIG_FILE": "/missing.yaml"})
+    assert info.value.message == "plugin config /missing.yaml does not exist (given by $CONFIG_FILE)"
+    assert info.value.fix == "create it, or drop $CONFIG_FILE /missing.yaml"
+
+
+def test_show_config_names_nvidias_variable_as_the_origin(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MIG_STRATEGY", "mixed")
+    monkeypatch.setenv("PASS_DEVICE_SPECS", "t")
+    code = main(["plugin", "run", "--show-config"], host=Host(root=tmp_path, env={}))
+    out = capsys.readouterr().out
+    assert code == ExitCode.OK
+    assert 'mig-strategy = "mixed"  # from: env MIG_STRATEGY' in out.splitlines()
+    assert "pass-device-specs = true  # from: env PASS_DEVICE_SPECS" in out.splitlines()
