@@ -220,8 +220,16 @@ def test_lost_gpu_is_unhealthy(kubelet: FakeKubelet, socket_dir: Path) -> None:
         assert [d.health for d in after[:3]] == [HEALTHY] * 3 and after[3].id == devices[3].id
 
 
-def test_mig_mixed_serves_one_socket_per_profile(kubelet: FakeKubelet, socket_dir: Path) -> None:
-    with PluginProcess(socket_dir, ["--mig-strategy", "mixed"], profile="mig"):
+@pytest.mark.parametrize(
+    ("args", "env"),
+    [(["--mig-strategy", "mixed"], {}), ([], {"MIG_STRATEGY": "mixed"})],
+    ids=["flag", "nvidia-env"],
+)
+def test_mig_mixed_serves_one_socket_per_profile(
+    kubelet: FakeKubelet, socket_dir: Path, args: list[str], env: dict[str, str]
+) -> None:
+    # NVIDIA's own variable, as its Helm chart sets it, works as gpunode's flag does.
+    with PluginProcess(socket_dir, args, profile="mig", env=env):
         small = kubelet.wait_registered("nvidia.com/mig-1g.5gb")
         big = kubelet.wait_registered("nvidia.com/mig-2g.10gb")
         whole = kubelet.wait_registered(GPU)
