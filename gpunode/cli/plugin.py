@@ -47,7 +47,8 @@ def _switch(flag: str, env: str, text: str) -> Callable[[F], F]:
     "--config",
     metavar="PATH",
     help="Config file: gpunode's TOML, or NVIDIA's device-plugin config (YAML/JSON, version v1) as it is. "
-    "Default: $GPUNODE_PLUGIN_CONFIG, else /etc/gpunode/plugin.toml if it exists.",
+    "Default: $GPUNODE_PLUGIN_CONFIG, else NVIDIA's $CONFIG_FILE, else /etc/gpunode/plugin.toml if it "
+    "exists.",
 )
 @click.option(
     "--simulate",

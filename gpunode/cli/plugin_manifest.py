@@ -24,8 +24,8 @@ from gpunode.cli.common import Command, exit_codes
     "--config",
     metavar="PATH",
     help="The plugin config to deploy (as `plugin run --config`): gpunode's TOML or NVIDIA's config. "
-    "Default: $GPUNODE_PLUGIN_CONFIG, else /etc/gpunode/plugin.toml if it exists. GPUNODE_* variables "
-    "count too, as for `plugin run`.",
+    "Default: $GPUNODE_PLUGIN_CONFIG, else NVIDIA's $CONFIG_FILE, else /etc/gpunode/plugin.toml if it "
+    "exists. GPUNODE_* and NVIDIA's variables count too, as for `plugin run`.",
 )
 @click.option(
     "--namespace",

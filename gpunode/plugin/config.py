@@ -457,7 +457,9 @@ def read_config_file(
         if required:
             raise NotFound(
                 f"plugin config {path} does not exist (given by {named_by})",
-                f"create it, or drop {named_by} {path}",
+                f"create it, or unset {named_by[1:]}"
+                if named_by.startswith("$")
+                else f"create it, or drop {named_by} {path}",
             )
         return {}
     from gpunode.runtimes.edits import parse_toml_document  # tomlkit: only when there is a file

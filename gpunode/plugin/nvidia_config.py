@@ -338,10 +338,12 @@ def environment_options(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
             f'unset it and name the resources: resource-name = "{prefix}/gpu" (and resources.gpus / '
             "resources.mig names for the others)",
         )
+    taken: set[str] = set()
     for name, key in ENVIRONMENT.items():
         raw = env.get(name)
-        if not raw:
-            continue
+        if not raw or key in taken:
+            continue  # of two names for one flag, the first one set wins, as in urfave/cli
+        taken.add(key)
         where = f"env {name}"
         setting = _setting(key, _from_environment(key, raw, where), where)
         if setting.option is None:
@@ -349,6 +351,15 @@ def environment_options(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
         option = by_name[setting.option]
         found[option.name] = (option.parse(setting.value, f"{where} ({key})"), where)
     return found
+
+
+def _go_int(text: str) -> int:
+    """An IntSlice item as urfave/cli reads it, with Go's strconv.ParseInt(text, 0, 64): 0x.., 0o.., 0b..,
+    and a leading 0 for octal. ValueError for anything else (an empty item, a non-ASCII digit)."""
+    text = text.strip()
+    if len(text) > 1 and text[0] == "0" and text[1:].isascii() and text[1:].isdigit():
+        return int(text, 8)
+    return int(text, 0)
 
 
 def _from_environment(key: str, raw: str, where: str) -> Any:
@@ -361,10 +372,12 @@ def _from_environment(key: str, raw: str, where: str) -> Any:
             return False
         raise ConfigError(f"{where}: {raw!r} is not a boolean", "use true or false (or 1 / 0)")
     if key == "imex.channelIDs":
-        parts = [p.strip() for p in raw.split(",")]
-        if not all(p.isdigit() for p in parts):
-            raise ConfigError(f"{where}: {raw!r} is not a comma-separated list of channel numbers", "use 0")
-        return [int(p) for p in parts]
+        try:
+            return [_go_int(p) for p in raw.split(",")]
+        except ValueError:
+            raise ConfigError(
+                f"{where}: {raw!r} is not a comma-separated list of channel numbers", "use 0"
+            ) from None
     if key == "flags.plugin.deviceListStrategy":
         return [p.strip() for p in raw.split(",")]
     return raw

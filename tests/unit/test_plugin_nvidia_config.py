@@ -566,6 +566,24 @@ def test_install_checks_the_mps_root_the_units_environment_file_sets(tmp_path: P
         plan_install(host, config_file=path, start=False, executable="/usr/local/bin/gpunode")
 
 
+@pytest.mark.parametrize("variable", ["CONFIG_FILE", "GPUNODE_PLUGIN_CONFIG"])
+def test_install_refuses_an_environment_file_that_names_another_config(tmp_path: Path, variable: str) -> None:
+    """The unit runs `plugin run` without --config: a config named in its environment file would be read
+    instead of the one plugin install writes."""
+    from gpunode.systemd.service import plan_install
+
+    host, path = nvidia(tmp_path, "version: v1\nflags:\n  migStrategy: single\n")
+    env_file = tmp_path / "etc/default/gpunode-device-plugin"
+    env_file.parent.mkdir(parents=True)
+    env_file.write_text(f"{variable}=/etc/nvidia/dp.yaml\n")
+    with pytest.raises(ConfigError) as info:
+        plan_install(host, config_file=path, start=False, executable="/usr/local/bin/gpunode")
+    assert f"sets {variable}=/etc/nvidia/dp.yaml: the service would read that file" in info.value.message
+    assert f"remove {variable} from /etc/default/gpunode-device-plugin" in (info.value.fix or "")
+    env_file.write_text(f"{variable}=/etc/gpunode/plugin.toml\n")  # the installed file itself: fine
+    plan_install(host, config_file=path, start=False, executable="/usr/local/bin/gpunode")
+
+
 def test_advertise_reads_sharing_from_an_installed_nvidia_file(tmp_path: Path) -> None:
     from gpunode.advertise import plugin_sharing
     from gpunode.kube.labels import Sharing as LabelSharing
@@ -710,6 +728,17 @@ def test_nvidias_variables_rank_above_the_file_and_below_gpunodes_own_and_flags(
     assert config.mig_strategy == "single"
 
 
+def test_nvidias_integer_and_alias_spellings_are_read_as_its_command_line_reads_them(tmp_path: Path) -> None:
+    host = Host(root=tmp_path, env={})
+    for spelled in ("0", "00", "0x0", "0o0", " 0 "):
+        assert load_config(host, env={"IMEX_CHANNEL_IDS": spelled}).imex_channel_ids == (0,), spelled
+    # Of two names for one flag the first one set wins (urfave/cli): the second is not even read.
+    env = {"DRIVER_ROOT_CTR_PATH": "/driver-root", "CONTAINER_DRIVER_ROOT": "relative"}
+    assert load_config(host, env=env) == PluginConfig()
+    with pytest.raises(ConfigError, match="env CONTAINER_DRIVER_ROOT"):
+        load_config(host, env={"CONTAINER_DRIVER_ROOT": "relative"})
+
+
 def test_nvidias_variables_with_no_effect_are_checked_and_change_nothing(tmp_path: Path) -> None:
     env = {
         "NVIDIA_CTK_PATH": "/usr/bin/nvidia-ctk",
@@ -733,11 +762,25 @@ def test_nvidias_variables_with_no_effect_are_checked_and_change_nothing(tmp_pat
         ({"CONTAINER_DRIVER_ROOT": "driver"}, "env CONTAINER_DRIVER_ROOT: 'driver' is not an absolute path"),
         ({"IMEX_CHANNEL_IDS": "zero"}, "env IMEX_CHANNEL_IDS: 'zero' is not a comma-separated list"),
         ({"IMEX_CHANNEL_IDS": "1"}, "IMEX channel IDs must be [] or [0]"),
+        ({"IMEX_CHANNEL_IDS": "\u00b2"}, "env IMEX_CHANNEL_IDS: '\u00b2' is not a comma-separated list"),
+        ({"IMEX_CHANNEL_IDS": "0,"}, "env IMEX_CHANNEL_IDS: '0,' is not a comma-separated list"),
         ({"MIG_STRATEGY": "all"}, "env MIG_STRATEGY (flags.migStrategy): 'all' is not one of"),
         ({"DEVICE_LIST_STRATEGY": "envvar,cdi"}, "unknown device-list strategy 'cdi'"),
         ({"RESOURCE_NAME_PREFIX": "example.com"}, "env RESOURCE_NAME_PREFIX: 'example.com'"),
     ],
-    ids=["tegra", "bool", "socket", "ctr-root", "imex-text", "imex-1", "mig", "list", "prefix"],
+    ids=[
+        "tegra",
+        "bool",
+        "socket",
+        "ctr-root",
+        "imex-text",
+        "imex-1",
+        "imex-superscript",
+        "imex-empty-item",
+        "mig",
+        "list",
+        "prefix",
+    ],
 )
 def test_a_bad_nvidia_variable_is_refused_by_name(tmp_path: Path, env: dict[str, str], message: str) -> None:
     with pytest.raises(ConfigError) as info:
@@ -757,7 +800,7 @@ def test_config_file_names_nvidias_file_below_gpunodes_variable(tmp_path: Path) 
     with pytest.raises(NotFound) as info:
         load_config(host, env={"CONFIG_FILE": "/missing.yaml"})
     assert info.value.message == "plugin config /missing.yaml does not exist (given by $CONFIG_FILE)"
-    assert info.value.fix == "create it, or drop $CONFIG_FILE /missing.yaml"
+    assert info.value.fix == "create it, or unset CONFIG_FILE"
 
 
 def test_show_config_names_nvidias_variable_as_the_origin(
