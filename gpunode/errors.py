@@ -57,6 +57,11 @@ class ConfigError(GpunodeError):
     exit_code = ExitCode.CONFIG
 
 
+class UneditableToml(ConfigError):
+    """A valid TOML file whose layout gpunode's TOML editor (tomlkit) cannot parse: it can be read, not
+    edited in place."""
+
+
 class PermissionDenied(GpunodeError):
     exit_code = ExitCode.PERMISSION
 

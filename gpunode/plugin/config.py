@@ -462,10 +462,10 @@ def read_config_file(
                 else f"create it, or drop {named_by} {path}",
             )
         return {}
-    from gpunode.runtimes.edits import parse_toml_document  # tomlkit: only when there is a file
+    from gpunode.runtimes.edits import read_toml  # tomlkit: only when there is a file
 
     try:
-        doc = parse_toml_document(text, path).unwrap()
+        doc = read_toml(text, path)
     except ConfigError:
         # Not TOML: NVIDIA's device-plugin config (YAML or JSON, version v1) is taken as it is.
         from gpunode.plugin.nvidia_config import is_nvidia_config, read_options

@@ -161,10 +161,10 @@ class Setting:
 
 def is_toml(text: str) -> bool:
     """Whether text is TOML (gpunode's own config), read as config.read_config_file reads it."""
-    from gpunode.runtimes.edits import parse_toml_document
+    from gpunode.runtimes.edits import read_toml
 
     try:
-        parse_toml_document(text, "-")
+        read_toml(text, "-")
     except ConfigError:
         return False
     return True

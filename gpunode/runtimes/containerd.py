@@ -17,7 +17,7 @@ from typing import Any
 
 from gpunode.errors import CommandFailed, ConfigError
 from gpunode.host import Host
-from gpunode.runtimes.edits import parse_toml_document, plain
+from gpunode.runtimes.edits import plain, read_toml
 from gpunode.runtimes.model import DEFAULT_NVIDIA_RUNTIME_NAME, RuntimeConfigState
 
 DEFAULT_CONFIG = "/etc/containerd/config.toml"
@@ -119,7 +119,7 @@ def has_go_template_syntax(text: str) -> bool:
 
 def parse_toml(text: str, path: str) -> dict[str, Any]:
     """Parse TOML into plain Python values; syntax errors name the file, line and column."""
-    return parse_toml_document(text, path).unwrap()
+    return read_toml(text, path)
 
 
 def detect_version(doc: Mapping[str, Any], installed_major: int | None, *, path: str | None = None) -> int:

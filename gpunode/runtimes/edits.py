@@ -22,7 +22,7 @@ from tomlkit.container import Container
 from tomlkit.exceptions import ParseError, TOMLKitError
 from tomlkit.items import AoT, Item, String, StringType, Table, Whitespace
 
-from gpunode.errors import ConfigError
+from gpunode.errors import ConfigError, UneditableToml
 
 
 class _Absent:
@@ -356,33 +356,48 @@ class TomlFormat:
 
 
 def parse_toml_document(text: str, path: str) -> tomlkit.TOMLDocument:
-    """Parse TOML keeping its formatting; syntax errors name the file, line and column.
+    """Parse TOML keeping its formatting, for editing; syntax errors name the file, line and column.
 
-    tomlkit refuses some valid layouts (a table's sub-tables split around another table, after an indented
-    header: its OutOfOrderTableProxy fails). Such a file is checked with tomllib, so the operator is told
-    the editor's limit, not that the file the runtime reads every day is broken."""
+    tomlkit refuses some valid layouts (a table's sub-tables split around another table after an indented
+    header: its OutOfOrderTableProxy fails). Such a file is judged by tomllib and refused as an editor
+    limit (UneditableToml), never blamed as invalid: the runtime reads it every day."""
     try:
         return tomlkit.parse(text)
     except ParseError as exc:
         reason = re.sub(r"\s*at line \d+ col \d+\s*$", "", str(exc))
-        where = f"line {exc.line}, column {exc.col + 1}"
         if valid_toml(text):
-            raise _layout_error(path, f"{reason} ({where})", f"line {exc.line}") from None
+            raise _layout_error(path, reason) from None
         raise ConfigError(
-            f"{path} is not valid TOML: {reason} ({where})", f"correct line {exc.line} of {path}"
+            f"{path} is not valid TOML: {reason} (line {exc.line}, column {exc.col + 1})",
+            f"correct line {exc.line} of {path}",
         ) from None
     except TOMLKitError as exc:
         if valid_toml(text):
-            raise _layout_error(path, str(exc), "the file") from None
+            raise _layout_error(path, str(exc)) from None
         raise ConfigError(f"{path} is not valid TOML: {exc}", f"correct {path}") from None
 
 
-def valid_toml(text: str) -> bool:
-    """Whether TOML's reference reader (tomllib) accepts the text."""
+def read_toml(text: str, path: str) -> dict[str, Any]:
+    """A TOML file's plain values, for reading only: a valid layout tomlkit cannot parse is read by
+    tomllib, so doctor, status and the plugin's config reader take what the runtime takes."""
+    try:
+        return parse_toml_document(text, path).unwrap()
+    except UneditableToml:
+        data: dict[str, Any] = _tomllib().loads(text)
+        return data
+
+
+def _tomllib() -> Any:
     if sys.version_info >= (3, 11):
         import tomllib
     else:  # pragma: no cover - the backport, on Python 3.10 only
         import tomli as tomllib
+    return tomllib
+
+
+def valid_toml(text: str) -> bool:
+    """Whether TOML's reference reader (tomllib) accepts the text."""
+    tomllib = _tomllib()
     try:
         tomllib.loads(text)
     except tomllib.TOMLDecodeError:
@@ -390,12 +405,14 @@ def valid_toml(text: str) -> bool:
     return True
 
 
-def _layout_error(path: str, reason: str, where: str) -> ConfigError:
-    return ConfigError(
-        f"{path} is valid TOML, but gpunode's TOML editor (tomlkit) cannot keep its layout: {reason}; "
+def _layout_error(path: str, reason: str) -> UneditableToml:
+    # tomlkit's line is where it gave up, not the table to move: no line is named.
+    return UneditableToml(
+        f"{path} is valid TOML, but gpunode's TOML editor (tomlkit) cannot edit its layout ({reason}); "
         "nothing was changed",
-        f"in {path}, move the table at {where} next to the other tables under the same header and drop any "
-        "indentation before its header (the runtime reads the file the same), then run gpunode again",
+        f"in {path}, keep each table's sub-tables together after it and start every [table] header at the "
+        "beginning of its line (the file means the same to its reader), then run again; or make the change "
+        "by hand",
     )
 
 
