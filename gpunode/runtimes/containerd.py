@@ -550,7 +550,7 @@ def _read_files(host: Host, path: str | None = None) -> RuntimeConfigState:
     problems = [*loaded.problems, *_version_notes(path, loaded, installed)]
     problems += _cri_notes(path, doc, version, runtimes, default)
     if nvidia:
-        problems.extend(_systemd_cgroup_notes(runtimes, nvidia[0], default))
+        problems.extend(_systemd_cgroup_notes(runtimes, nvidia[0], default, cri_table(doc, version, path)))
     notes.extend(problems)
     return RuntimeConfigState(
         runtime="containerd",
@@ -606,6 +606,33 @@ def _cri_notes(
     return notes
 
 
+RUNC_V2 = "io.containerd.runc.v2"
+RUNC_V1 = "io.containerd.runc.v1"  # the same options as v2 (runcoptions.Options)
+# Runtimes of the legacy v1 shim. containerd reads their options as runctypes.RuncOptions (Runtime,
+# RuntimeRoot, CriuPath, SystemdCgroup), and without an options table from the CRI plugin's own
+# `systemd_cgroup`; an explicit "" is the type older configs wrote for the same thing.
+LEGACY_TYPES = ("io.containerd.runtime.v1.linux", "")
+
+
+def systemd_cgroup_settings(
+    runtimes: Mapping[str, Mapping[str, Any]], default: str, cri: Mapping[str, Any]
+) -> dict[str, bool]:
+    """Whether each runc-type candidate (the default, runc, crun: those defined) runs with SystemdCgroup;
+    a legacy v1-shim one also through the CRI plugin's `systemd_cgroup`. Others (Kata, ...) are no model."""
+    settings: dict[str, bool] = {}
+    for candidate in (default, "runc", "crun"):
+        entry = runtimes.get(candidate)
+        if entry is None:
+            continue
+        runtime_type = entry.get("runtime_type", RUNC_V2)
+        systemd = runtime_options(entry).get("SystemdCgroup") is True
+        if runtime_type in (RUNC_V2, RUNC_V1):
+            settings[candidate] = systemd
+        elif runtime_type in LEGACY_TYPES:
+            settings[candidate] = systemd or cri.get("systemd_cgroup") is True
+    return settings
+
+
 def systemd_cgroup_reference(settings: Mapping[str, bool], default: str, nvidia: str) -> str | None:
     """The runtime whose SystemdCgroup the nvidia runtime must match, from each candidate's setting (the
     default, runc, crun where defined). The editor and doctor's reader both ask this, so a file gpunode
@@ -623,12 +650,10 @@ def systemd_cgroup_reference(settings: Mapping[str, bool], default: str, nvidia:
     return names[0]
 
 
-def _systemd_cgroup_notes(runtimes: Mapping[str, Mapping[str, Any]], nvidia: str, default: str) -> list[str]:
-    settings = {
-        n: runtime_options(runtimes[n]).get("SystemdCgroup") is True
-        for n in (default, "runc", "crun")
-        if n in runtimes
-    }
+def _systemd_cgroup_notes(
+    runtimes: Mapping[str, Mapping[str, Any]], nvidia: str, default: str, cri: Mapping[str, Any]
+) -> list[str]:
+    settings = systemd_cgroup_settings(runtimes, default, cri)
     reference = systemd_cgroup_reference(settings, default, nvidia)
     if reference is None:
         return []

@@ -18,7 +18,7 @@ from gpunode.runtimes import containerd as ctd
 from gpunode.runtimes.edits import ABSENT, Editor, TomlFormat, lookup, new_toml_document, plain
 from gpunode.runtimes.plan import ConfigureOptions, FileChange, RuntimePlan
 
-RUNC_V2 = "io.containerd.runc.v2"
+RUNC_V2 = ctd.RUNC_V2
 UNITS = {
     "containerd": ("containerd.service",),
     "k3s": ("k3s.service", "k3s-agent.service"),
@@ -226,11 +226,8 @@ def _refuse_overriding_imports(
             )
 
 
-RUNC_V1 = "io.containerd.runc.v1"  # the same options as v2 (runcoptions.Options)
-# Runtimes of the legacy v1 shim. containerd reads their options as runctypes.RuncOptions (Runtime,
-# RuntimeRoot, CriuPath, SystemdCgroup), and without an options table from the CRI plugin's own
-# `systemd_cgroup`; an explicit "" is the type older configs wrote for the same thing.
-LEGACY_TYPES = ("io.containerd.runtime.v1.linux", "")
+RUNC_V1 = ctd.RUNC_V1
+LEGACY_TYPES = ctd.LEGACY_TYPES
 V1_SHIM_KEYS = ("runtime_engine", "runtime_root")
 
 
@@ -250,27 +247,6 @@ def _reference_runtime(
         if runtime_type in LEGACY_TYPES:
             return _from_legacy_shim(plain(entry), cri), str(runtime_type)
     return {}, None
-
-
-def _systemd_cgroup_settings(
-    runtimes: Mapping[str, Mapping[str, Any]], default: str, cri: Mapping[str, Any]
-) -> dict[str, bool]:
-    """Whether each runc-type candidate (the default, runc, crun) runs with SystemdCgroup, a legacy v1-shim
-    one read as it is converted."""
-    settings: dict[str, bool] = {}
-    for candidate in (default, "runc", "crun"):
-        entry = runtimes.get(candidate)
-        if entry is None:
-            continue
-        runtime_type = entry.get("runtime_type", RUNC_V2)
-        if runtime_type in (RUNC_V2, RUNC_V1):
-            options = plain(entry).get("options")
-        elif runtime_type in LEGACY_TYPES:
-            options = _from_legacy_shim(plain(entry), cri)["options"]
-        else:
-            continue
-        settings[candidate] = isinstance(options, Mapping) and options.get("SystemdCgroup") is True
-    return settings
 
 
 def _from_legacy_shim(entry: Mapping[str, Any], cri: Mapping[str, Any]) -> dict[str, Any]:
@@ -333,7 +309,7 @@ def _add_nvidia(
         if existing.get("runtime_type") != RUNC_V2:
             editor.set((*entry_path, "runtime_type"), RUNC_V2)
         editor.set((*entry_path, "options", "BinaryName"), opts.runtime_path)
-        settings = _systemd_cgroup_settings(runtimes, default, ctd.cri_table(merged, version))
+        settings = ctd.systemd_cgroup_settings(runtimes, default, ctd.cri_table(merged, version))
         ref = ctd.systemd_cgroup_reference(settings, default, opts.runtime_name)
         if ref is not None and settings[ref] and editor.set((*entry_path, "options", "SystemdCgroup"), True):
             messages.append(

@@ -1158,6 +1158,45 @@ def test_mixed_systemd_cgroup_default_is_consistent_with_the_reader(tmp_path: Pa
     assert (tmp_path / CONTAINERD_CONFIG.lstrip("/")).read_text() == written
 
 
+NVIDIA_NO_CGROUP = (
+    '[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.nvidia]\n'
+    'runtime_type = "io.containerd.runc.v2"\n'
+    '[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.nvidia.options]\n'
+    'BinaryName = "/usr/bin/nvidia-container-runtime"\n'
+)
+KATA_DEFAULT = (
+    'version = 2\n[plugins."io.containerd.grpc.v1.cri".containerd]\ndefault_runtime_name = "kata"\n'
+    '[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.kata]\nruntime_type = "io.containerd.kata.v2"\n'
+    '[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]\nruntime_type = "io.containerd.runc.v2"\n'
+    '[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]\nSystemdCgroup = true\n'
+) + NVIDIA_NO_CGROUP
+LEGACY_DEFAULT = (
+    'version = 2\n[plugins."io.containerd.grpc.v1.cri"]\nsystemd_cgroup = true\n'
+    '[plugins."io.containerd.grpc.v1.cri".containerd]\ndefault_runtime_name = "runc"\n'
+    '[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]\n'
+    'runtime_type = "io.containerd.runtime.v1.linux"\n'
+) + NVIDIA_NO_CGROUP
+
+
+@pytest.mark.parametrize(
+    ("text", "reference"), [(KATA_DEFAULT, "runc"), (LEGACY_DEFAULT, "runc")], ids=["kata", "legacy-v1"]
+)
+def test_doctor_and_the_editor_read_the_same_reference_runtime(
+    tmp_path: Path, text: str, reference: str
+) -> None:
+    """A Kata default is no model (runc is), and a legacy v1-shim default has SystemdCgroup through the CRI
+    plugin's systemd_cgroup: doctor reports what configure-runtime repairs, and nothing after it."""
+    put(tmp_path, CONTAINERD_CONFIG, text)
+    host = make_host(tmp_path)
+    (problem,) = containerd.read_state(host).problems
+    assert f'lacks `SystemdCgroup = true` while "{reference}" has it' in problem
+    plan = configure.plan_configure(host, "containerd", ConfigureOptions())
+    assert any(f'as "{reference}" has it' in m for m in plan.messages), plan.messages
+    configure.apply(host, plan, restart=False)
+    assert not containerd.read_state(host).problems
+    assert not configure.plan_configure(host, "containerd", ConfigureOptions()).pending
+
+
 def test_systemd_cgroup_is_still_checked_once_nvidia_is_the_default(tmp_path: Path) -> None:
     """Where the other runtimes agree (runc and crun with SystemdCgroup), an nvidia default without it is
     reported, and configure-runtime adds it."""
