@@ -890,7 +890,7 @@ CRIO_RUNTIMES: Mapping[str, dict[str, Any]] = {
         "allowed_annotations": ["io.containers.trace-syscall"],
     },
     "kata": {
-        "runtime_path": "/usr/bin/kata-runtime",
+        "runtime_path": "/usr/bin/containerd-shim-kata-v2",  # CRI-O requires this name for a vm runtime
         "runtime_type": "vm",
         "runtime_root": "/run/vc",
         "privileged_without_host_devices": True,
