@@ -253,6 +253,7 @@ def _serve(
     status_file: str | None,
 ) -> None:
     from gpunode.plugin.lifecycle import Plugin
+    from gpunode.plugin.signals import SignalRelay
     from gpunode.systemd.notify import Notifier
 
     log = logging.getLogger("gpunode.plugin")
@@ -268,9 +269,14 @@ def _serve(
         on_status=reporter,
         heartbeat=(interval, notifier.watchdog) if interval else None,
     )
-    signal.signal(signal.SIGTERM, lambda *_: plugin.request_stop())
-    signal.signal(signal.SIGINT, lambda *_: plugin.request_stop())
-    signal.signal(signal.SIGHUP, lambda *_: plugin.request_reload())
+    # Relayed from a thread, not handled by the main one: see gpunode/plugin/signals.py.
+    relay = SignalRelay(
+        {
+            signal.SIGTERM: plugin.request_stop,
+            signal.SIGINT: plugin.request_stop,
+            signal.SIGHUP: plugin.request_reload,
+        }
+    ).start()
     log.info(
         "gpunode device plugin starting (%s; socket dir %s)",
         f"simulated node {simulate!r}" if simulate else "NVML",
@@ -284,6 +290,7 @@ def _serve(
     try:
         plugin.run()
     finally:
+        relay.close()
         notifier.stopping()
         reporter.remove()
     log.info("stopped")

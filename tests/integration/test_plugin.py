@@ -165,6 +165,47 @@ def test_sighup_reloads_config_and_registers_again(kubelet: FakeKubelet, socket_
         assert len(kubelet.latest_devices(GPU) or []) == 12
 
 
+def _tgkill(pid: int, tid: int, signum: int) -> bool:
+    """Send the signal to one thread of the process (glibc's tgkill); False if the thread is gone."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    return bool(libc.tgkill(pid, tid, signum) == 0)
+
+
+def _blocks(pid: int, tid: int, signum: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+    except FileNotFoundError:
+        return True  # gone: nothing to send to
+    blocked = next(int(line.split()[1], 16) for line in status.splitlines() if line.startswith("SigBlk:"))
+    return bool(blocked >> (signum - 1) & 1)
+
+
+def test_sighup_acts_at_once_whichever_thread_receives_it(kubelet: FakeKubelet, socket_dir: Path) -> None:
+    """The kernel may hand a process-directed signal to any thread. One that landed on a gRPC or NVML
+    thread used to wait until something else woke the main thread (CI: a SIGHUP acted on 30 s late)."""
+    with PluginProcess(socket_dir, [], profile="pcie-4") as plugin:
+        kubelet.wait_registered(GPU)
+        plugin.wait_for_log("health monitor armed")
+        assert plugin.proc is not None
+        pid = plugin.proc.pid
+        threads = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid)
+        reloads = 0
+        for tid in threads:
+            if _blocks(pid, tid, signal.SIGHUP) or not _tgkill(pid, tid, signal.SIGHUP):
+                continue
+            reloads += 1
+            deadline = time.monotonic() + 30
+            while plugin.log().count("re-reading the GPUs (SIGHUP)") < reloads:
+                assert time.monotonic() < deadline, (
+                    f"a SIGHUP to thread {tid} was not acted on\n{plugin.log()}"
+                )
+                time.sleep(0.02)
+        assert reloads >= 3, threads  # gRPC's, the health monitor's, the log writer's, ... at least
+        kubelet.wait_registered(GPU, count=reloads + 1)
+
+
 def test_xid_makes_the_gpu_unhealthy_then_it_recovers(kubelet: FakeKubelet, socket_dir: Path) -> None:
     control = socket_dir.parent / "nvml-control"
     control.write_text("")
