@@ -11,10 +11,20 @@ from pathlib import Path
 import pytest
 
 from gpunode.host import Host, ScriptedRunner
+from gpunode.plugin import nvidia_config
 from tests import fakenvml
 
 FIXTURES = Path(__file__).parent / "fixtures"
 FAKE_KEYS = ("FAKE_NVML_PROFILE", "FAKE_NVML_CONFIG", "FAKE_NVML_CONTROL")
+
+
+@pytest.fixture(autouse=True)
+def _no_nvidia_plugin_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NVIDIA's plugin variables gpunode reads are generic names (CONFIG_FILE, MIG_STRATEGY) a developer's
+    shell or a CI runner may carry: kept out of every test (PluginProcess drops them too)."""
+    for name in nvidia_config.VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+
 
 UBUNTU_2204 = """PRETTY_NAME="Ubuntu 22.04.4 LTS"
 NAME="Ubuntu"

@@ -132,6 +132,8 @@ ENVIRONMENT = {
     "CDI_FEATURE_FLAGS": "flags.plugin.cdiFeatureFlags",
     "RESTART_ON_DEVICE_UNHEALTHY": "flags.restartOnDeviceUnhealthy",
 }
+# Every NVIDIA variable gpunode reads (config.load_config reads CONFIG_FILE).
+VARIABLES = (*ENVIRONMENT, "CONFIG_FILE", "RESOURCE_NAME_PREFIX")
 # Keys NVIDIA's command line declares as BoolFlag: their variables take Go's strconv.ParseBool spellings.
 _GO_BOOLEANS = {
     "flags.failOnInitError",

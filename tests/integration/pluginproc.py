@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
 
+from gpunode.plugin.nvidia_config import VARIABLES as NVIDIA_VARIABLES
 from tests import fakenvml
 
 REPO = Path(__file__).resolve().parents[2]
@@ -45,7 +46,11 @@ class PluginProcess:
     ) -> None:
         self.socket_dir = socket_dir
         self.args = list(args)
-        base = {k: v for k, v in os.environ.items() if not k.startswith(("GPUNODE_", "DP_"))}
+        base = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("GPUNODE_", "DP_")) and k not in NVIDIA_VARIABLES
+        }
         fake = fakenvml.env(profile, nvml_config, control) if profile or nvml_config else {}
         self.log_path = (log_dir or socket_dir.parent) / f"plugin-{os.getpid()}-{id(self)}.log"
         # Never the real /run/gpunode: several plugins run at once in tests.
