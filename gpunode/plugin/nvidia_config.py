@@ -132,8 +132,14 @@ ENVIRONMENT = {
     "CDI_FEATURE_FLAGS": "flags.plugin.cdiFeatureFlags",
     "RESTART_ON_DEVICE_UNHEALTHY": "flags.restartOnDeviceUnhealthy",
 }
-# Every NVIDIA variable gpunode reads (config.load_config reads CONFIG_FILE).
-VARIABLES = (*ENVIRONMENT, "CONFIG_FILE", "RESOURCE_NAME_PREFIX")
+# Every NVIDIA variable gpunode reads (config.load_config reads CONFIG_FILE and the health ones).
+VARIABLES = (
+    *ENVIRONMENT,
+    "CONFIG_FILE",
+    "RESOURCE_NAME_PREFIX",
+    "DP_DISABLE_HEALTHCHECKS",
+    "DP_ENABLE_HEALTHCHECKS",
+)
 # Keys NVIDIA's command line declares as BoolFlag: their variables take Go's strconv.ParseBool spellings.
 _GO_BOOLEANS = {
     "flags.failOnInitError",
@@ -359,6 +365,8 @@ def _go_int(text: str) -> int:
     """An IntSlice item as urfave/cli reads it, with Go's strconv.ParseInt(text, 0, 64): 0x.., 0o.., 0b..,
     and a leading 0 for octal. ValueError for anything else (an empty item, a non-ASCII digit)."""
     text = text.strip()
+    if not text.isascii():
+        raise ValueError(text)  # Python's int() takes other scripts' digits; Go's ParseInt does not
     if len(text) > 1 and text[0] == "0" and text[1:].isascii() and text[1:].isdigit():
         return int(text, 8)
     return int(text, 0)

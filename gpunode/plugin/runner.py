@@ -290,7 +290,9 @@ def _serve(
     try:
         plugin.run()
     finally:
-        relay.close()
         notifier.stopping()
         reporter.remove()
+        # Last, and the handlers left doing nothing: a second SIGTERM (or a SIGHUP) while the plugin
+        # cleans up must not cut it short and leave its status file behind.
+        relay.close(restore=False)
     log.info("stopped")

@@ -13,6 +13,7 @@ A thread blocked reading that fd calls the signal's action at once; the Python-l
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -20,7 +21,7 @@ from collections.abc import Callable, Mapping
 from types import FrameType
 from typing import Any
 
-_STOP = 0  # no signal has number 0: the byte that ends the relay
+_STOP = 0  # no signal has number 0: the byte that wakes the relay to end it
 
 
 def _nothing(signum: int, frame: FrameType | None) -> None:
@@ -29,29 +30,44 @@ def _nothing(signum: int, frame: FrameType | None) -> None:
 
 class SignalRelay:
     """Calls `actions[signum]` from its own thread for each signal received. Start and close it from the
-    main thread (signal.set_wakeup_fd's rule); the actions must be safe to call from another thread."""
+    main thread (signal.set_wakeup_fd's rule); the actions must be safe to call from another thread and
+    must not block (a full pipe would drop signals)."""
 
     def __init__(self, actions: Mapping[int, Callable[[], object]]) -> None:
         self._actions = dict(actions)
-        self._read, self._write = os.pipe()
+        self._read, self._write = os.pipe()  # not inherited by the processes the plugin starts
         os.set_blocking(self._write, False)  # the C handler must never block
         self._previous: dict[int, Any] = {}
         self._previous_fd = -1
+        self._closing = threading.Event()
         self._thread = threading.Thread(target=self._relay, name="signals", daemon=True)
 
     def start(self) -> SignalRelay:
-        self._thread.start()
+        # The wakeup fd before the handlers: a signal in between would otherwise meet a handler that does
+        # nothing and never reach the pipe (before the handlers, the old ones still act).
+        try:
+            self._previous_fd = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
+        except ValueError:  # not the main thread
+            os.close(self._read)
+            os.close(self._write)
+            raise
         for signum in self._actions:
             self._previous[signum] = signal.signal(signum, _nothing)
-        self._previous_fd = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
+        self._thread.start()  # reads what arrived meanwhile, in order
         return self
 
-    def close(self) -> None:
-        """Put back the handlers and wakeup fd found at start, and end the relay thread."""
+    def close(self, *, restore: bool = True) -> None:
+        """End the relay thread and put back the wakeup fd. `restore`: the handlers found at start too;
+        without it they keep doing nothing, so a late signal cannot cut short a process that is already
+        cleaning up (the default SIGTERM or SIGHUP would end it at once)."""
         signal.set_wakeup_fd(self._previous_fd)
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-        os.write(self._write, bytes([_STOP]))
+        if restore:
+            for signum, handler in self._previous.items():
+                signal.signal(signum, handler)
+        self._closing.set()
+        # A full pipe: the relay is busy reading it, and sees _closing after that read.
+        with contextlib.suppress(BlockingIOError):
+            os.write(self._write, bytes([_STOP]))
         self._thread.join(timeout=5)
         os.close(self._read)
         os.close(self._write)
@@ -63,8 +79,8 @@ class SignalRelay:
         self.close()
 
     def _relay(self) -> None:
-        while True:
-            data = os.read(self._read, 64)
+        while not self._closing.is_set():
+            data = os.read(self._read, 4096)
             if not data:
                 return
             for signum in data:

@@ -165,12 +165,19 @@ def test_sighup_reloads_config_and_registers_again(kubelet: FakeKubelet, socket_
         assert len(kubelet.latest_devices(GPU) or []) == 12
 
 
+# tgkill's system call number, for a C library older than glibc 2.30 (which has no tgkill wrapper).
+SYS_TGKILL = {"x86_64": 234, "aarch64": 131}
+
+
 def _tgkill(pid: int, tid: int, signum: int) -> bool:
-    """Send the signal to one thread of the process (glibc's tgkill); False if the thread is gone."""
+    """Send the signal to one thread of the process; False if the thread is gone."""
     import ctypes
+    import platform
 
     libc = ctypes.CDLL(None, use_errno=True)
-    return bool(libc.tgkill(pid, tid, signum) == 0)
+    if hasattr(libc, "tgkill"):
+        return bool(libc.tgkill(pid, tid, signum) == 0)
+    return bool(libc.syscall(SYS_TGKILL[platform.machine()], pid, tid, signum) == 0)
 
 
 def _blocks(pid: int, tid: int, signum: int) -> bool:
@@ -198,6 +205,11 @@ def test_sighup_acts_at_once_whichever_thread_receives_it(kubelet: FakeKubelet, 
             reloads += 1
             deadline = time.monotonic() + 30
             while plugin.log().count("re-reading the GPUs (SIGHUP)") < reloads:
+                if not Path(f"/proc/{pid}/task/{tid}").exists():
+                    # An idle gRPC worker that ended takes its pending signal with it (the kernel's
+                    # rule): nothing the plugin could have acted on.
+                    reloads -= 1
+                    break
                 assert time.monotonic() < deadline, (
                     f"a SIGHUP to thread {tid} was not acted on\n{plugin.log()}"
                 )

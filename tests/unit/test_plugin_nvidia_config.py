@@ -584,6 +584,17 @@ def test_install_refuses_an_environment_file_that_names_another_config(tmp_path:
     plan_install(host, config_file=path, start=False, executable="/usr/local/bin/gpunode")
 
 
+def test_install_judges_only_the_config_variable_plugin_run_takes(tmp_path: Path) -> None:
+    from gpunode.systemd.service import plan_install
+
+    host, path = nvidia(tmp_path, "version: v1\n")
+    env_file = tmp_path / "etc/default/gpunode-device-plugin"
+    env_file.parent.mkdir(parents=True)
+    # $GPUNODE_PLUGIN_CONFIG wins over NVIDIA's $CONFIG_FILE: the service reads the installed file.
+    env_file.write_text("GPUNODE_PLUGIN_CONFIG=/etc/gpunode/plugin.toml\nCONFIG_FILE=/etc/nvidia/dp.yaml\n")
+    plan_install(host, config_file=path, start=False, executable="/usr/local/bin/gpunode")
+
+
 def test_advertise_reads_sharing_from_an_installed_nvidia_file(tmp_path: Path) -> None:
     from gpunode.advertise import plugin_sharing
     from gpunode.kube.labels import Sharing as LabelSharing
@@ -764,6 +775,7 @@ def test_nvidias_variables_with_no_effect_are_checked_and_change_nothing(tmp_pat
         ({"IMEX_CHANNEL_IDS": "1"}, "IMEX channel IDs must be [] or [0]"),
         ({"IMEX_CHANNEL_IDS": "\u00b2"}, "env IMEX_CHANNEL_IDS: '\u00b2' is not a comma-separated list"),
         ({"IMEX_CHANNEL_IDS": "0,"}, "env IMEX_CHANNEL_IDS: '0,' is not a comma-separated list"),
+        ({"IMEX_CHANNEL_IDS": "\u0660"}, "env IMEX_CHANNEL_IDS: '\u0660' is not a comma-separated list"),
         ({"MIG_STRATEGY": "all"}, "env MIG_STRATEGY (flags.migStrategy): 'all' is not one of"),
         ({"DEVICE_LIST_STRATEGY": "envvar,cdi"}, "unknown device-list strategy 'cdi'"),
         ({"RESOURCE_NAME_PREFIX": "example.com"}, "env RESOURCE_NAME_PREFIX: 'example.com'"),
@@ -777,6 +789,7 @@ def test_nvidias_variables_with_no_effect_are_checked_and_change_nothing(tmp_pat
         "imex-1",
         "imex-superscript",
         "imex-empty-item",
+        "imex-arabic-indic-zero",
         "mig",
         "list",
         "prefix",

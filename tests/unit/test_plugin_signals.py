@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import queue
 import signal
 import threading
@@ -37,3 +38,36 @@ def test_close_puts_back_the_handlers_and_wakeup_fd_it_found() -> None:
     relay.close()
     assert signal.getsignal(signal.SIGUSR1) is handler
     assert signal.set_wakeup_fd(before) == before
+
+
+def test_closed_without_restoring_a_late_signal_does_nothing() -> None:
+    """The plugin closes its relay last and keeps the do-nothing handlers: a second SIGTERM (or a SIGHUP)
+    while it cleans up must not run the old handler (the default one would end the process at once)."""
+    old_calls: list[int] = []
+    saved = signal.signal(signal.SIGUSR2, lambda signum, frame: old_calls.append(signum))
+    try:
+        acted: queue.SimpleQueue[str] = queue.SimpleQueue()
+        relay = SignalRelay({signal.SIGUSR2: lambda: acted.put("usr2")}).start()
+        relay.close(restore=False)
+        signal.raise_signal(signal.SIGUSR2)
+        assert old_calls == [] and acted.empty()
+    finally:
+        signal.signal(signal.SIGUSR2, saved)
+
+
+def test_started_off_the_main_thread_it_refuses_and_leaves_nothing_behind() -> None:
+    fds = len(os.listdir("/proc/self/fd"))
+    errors: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            SignalRelay({signal.SIGUSR1: lambda: None}).start()
+        except ValueError as err:
+            errors.append(err)
+
+    thread = threading.Thread(target=start)
+    thread.start()
+    thread.join()
+    assert len(errors) == 1
+    assert len(os.listdir("/proc/self/fd")) == fds
+    assert not any(t.name == "signals" for t in threading.enumerate())
