@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from gpunode.host import Host, ScriptedRunner
-from gpunode.plugin import nvidia_config
+from gpunode.plugin import nvidia_env
 from tests import fakenvml
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -22,7 +22,7 @@ FAKE_KEYS = ("FAKE_NVML_PROFILE", "FAKE_NVML_CONFIG", "FAKE_NVML_CONTROL")
 def _no_nvidia_plugin_variables(monkeypatch: pytest.MonkeyPatch) -> None:
     """NVIDIA's plugin variables gpunode reads are generic names (CONFIG_FILE, MIG_STRATEGY) a developer's
     shell or a CI runner may carry: kept out of every test (PluginProcess drops them too)."""
-    for name in nvidia_config.VARIABLES:
+    for name in nvidia_env.VARIABLES:
         monkeypatch.delenv(name, raising=False)
 
 

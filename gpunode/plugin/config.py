@@ -420,7 +420,7 @@ OPTIONS: tuple[Option, ...] = (
 
 _BY_KEY = {o.key: o for o in OPTIONS}
 
-_BY_NAME = {o.name: o for o in OPTIONS}
+BY_NAME = {o.name: o for o in OPTIONS}
 
 
 def is_switch(option: Option) -> bool:
@@ -499,6 +499,18 @@ def read_config_file(
     return found
 
 
+def config_file_named(env: Mapping[str, str], config_path: str | None = None) -> tuple[str, str | None]:
+    """(what named it, path) of the config file named explicitly: --config, else $GPUNODE_PLUGIN_CONFIG,
+    else NVIDIA's $CONFIG_FILE (environment too, below gpunode's own variable); path None: none was, and
+    the default is read if it exists."""
+    sources = (
+        ("--config", config_path),
+        (f"${CONFIG_ENV}", env.get(CONFIG_ENV)),
+        (f"${NVIDIA_CONFIG_ENV}", env.get(NVIDIA_CONFIG_ENV)),
+    )
+    return next(((by, given) for by, given in sources if given), ("--config", None))
+
+
 def load_config(
     host: Host,
     *,
@@ -513,20 +525,13 @@ def load_config(
     $CONFIG_FILE, else /etc/gpunode/plugin.toml if it exists.
     """
     env = host.env if env is None else env
-    # The file: --config, else $GPUNODE_PLUGIN_CONFIG, else NVIDIA's $CONFIG_FILE (environment too, below
-    # gpunode's own variable), else the default if it exists.
-    sources = (
-        ("--config", config_path),
-        (f"${CONFIG_ENV}", env.get(CONFIG_ENV)),
-        (f"${NVIDIA_CONFIG_ENV}", env.get(NVIDIA_CONFIG_ENV)),
-    )
-    named_by, explicit = next(((by, given) for by, given in sources if given), ("--config", None))
+    named_by, explicit = config_file_named(env, config_path)
     if explicit is not None and not explicit.startswith("/"):
         # `--config plugin.yaml`: relative to where the command runs, as any command-line path.
         import os
 
         explicit = os.path.abspath(explicit)
-    from gpunode.plugin.nvidia_config import environment_options
+    from gpunode.plugin.nvidia_env import environment_options
 
     # Each level wins over the one before: the file, NVIDIA's variables, gpunode's, flags.
     levels: list[dict[str, tuple[Any, str]]] = [
@@ -542,7 +547,7 @@ def load_config(
             levels[2][option.name] = (option.parse(raw, _where(origin, option.env)), origin)
     for name, value in (flags or {}).items():
         if value is not None:
-            option = _BY_NAME[name]
+            option = BY_NAME[name]
             origin = f"flag {option.flag}"
             levels[3][name] = (option.parse(value, _where(origin, option.flag)), origin)
 

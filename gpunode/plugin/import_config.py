@@ -27,7 +27,13 @@ def _plain(value: Any) -> Any:
 def render(text: str, path: str) -> str:
     """The gpunode TOML for NVIDIA's config `text` (read from `path`); ConfigError as `plugin run` would
     refuse the file."""
-    from gpunode.plugin.config import OPTIONS, PluginConfig, _check_combination, _comment, _toml_value
+    from gpunode.plugin.config import (
+        BY_NAME,
+        PluginConfig,
+        _check_combination,
+        _comment,
+        _toml_value,
+    )
     from gpunode.plugin.nvidia_config import is_nvidia_config, translate
 
     if not is_nvidia_config(text):
@@ -35,7 +41,6 @@ def render(text: str, path: str) -> str:
             f"{path} is not NVIDIA's device-plugin config (a YAML or JSON mapping with version: v1)",
             "give the file NVIDIA's plugin reads (--config-file, or the ConfigMap's content)",
         )
-    by_name = {o.name: o for o in OPTIONS}
     top: list[str] = []
     tables: dict[str, list[str]] = {}
     notes: list[str] = []
@@ -45,7 +50,7 @@ def render(text: str, path: str) -> str:
         if setting.option is None:
             notes.append(f"# {origin}: {_comment(setting.note)}")
             continue
-        option = by_name[setting.option]
+        option = BY_NAME[setting.option]
         where = f"{setting.key} ({path}, line {setting.line})"
         parsed = option.parse(setting.value, where)
         values[option.name] = parsed

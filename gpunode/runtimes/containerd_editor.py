@@ -278,9 +278,8 @@ def _add_nvidia(
     runtimes_path = (*cri, "containerd", "runtimes")
     runtimes = ctd.configured_runtimes(merged, version)
     default = ctd.default_runtime_name(merged, version)
-    reference, converted_from = _reference_runtime(
-        runtimes, default, opts.runtime_name, ctd.cri_table(merged, version)
-    )
+    cri_table = ctd.cri_table(merged, version)
+    reference, converted_from = _reference_runtime(runtimes, default, opts.runtime_name, cri_table)
     if converted_from is not None:
         cgroup = "SystemdCgroup = true" if reference["options"].get("SystemdCgroup") else "cgroupfs"
         messages.append(
@@ -309,14 +308,14 @@ def _add_nvidia(
         if existing.get("runtime_type") != RUNC_V2:
             editor.set((*entry_path, "runtime_type"), RUNC_V2)
         editor.set((*entry_path, "options", "BinaryName"), opts.runtime_path)
-        settings = ctd.systemd_cgroup_settings(runtimes, default, ctd.cri_table(merged, version))
+        settings = ctd.systemd_cgroup_settings(runtimes, default, cri_table)
         ref = ctd.systemd_cgroup_reference(settings, default, opts.runtime_name)
         if ref is not None and settings[ref] and editor.set((*entry_path, "options", "SystemdCgroup"), True):
             messages.append(
                 f'added SystemdCgroup = true to "{opts.runtime_name}", as "{ref}" has it: '
                 "without it pods are killed on systemd-cgroup nodes"
             )
-    if opts.set_as_default and version < 3 and ctd.cri_table(merged, version).get("systemd_cgroup") is True:
+    if opts.set_as_default and version < 3 and cri_table.get("systemd_cgroup") is True:
         # containerd validates this itself: "invalid plugin config: `systemd_cgroup` only works for runtime
         # io.containerd.runtime.v1.linux" — its CRI plugin would not load at all.
         raise ConfigError(
@@ -327,7 +326,7 @@ def _add_nvidia(
             "SystemdCgroup = true, remove systemd_cgroup, then run again — or leave out --set-as-default",
         )
     if opts.set_as_default:
-        containerd_table = ctd.get_table(ctd.cri_table(merged, version), ("containerd",)) or {}
+        containerd_table = ctd.get_table(cri_table, ("containerd",)) or {}
         legacy = containerd_table.get("default_runtime") if version < 3 else None
         if isinstance(legacy, Mapping) and legacy.get("runtime_type"):
             raise ConfigError(

@@ -37,7 +37,7 @@ from gpunode.runtimes.containerd_editor import SOCKETS, unit_for
 from gpunode.runtimes.edits import Edit, Editor, TomlFormat, new_toml_document
 from gpunode.runtimes.plan import ConfigureOptions, FileChange, RuntimePlan
 
-RUNC_V2 = "io.containerd.runc.v2"
+RUNC_V2 = ctd.RUNC_V2
 DROPIN_NAME = "99-gpunode-nvidia.toml"  # sorts after other drop-ins: containerd merges them in name order
 VERSION_TIMEOUT = 10.0
 # The first release of each Kubernetes minor with `{{ template "base" . }}` (docs.k3s.io, "Base template"

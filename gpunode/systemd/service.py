@@ -284,19 +284,17 @@ UNIT_ENV_FILE = "/etc/default/gpunode-device-plugin"  # the unit's EnvironmentFi
 
 
 def _validated_config(host: Host, config_file: str, executable: str) -> str:
-    from gpunode.plugin.config import CONFIG_ENV, NVIDIA_CONFIG_ENV, load_config
+    from gpunode.plugin.config import config_file_named, load_config
 
     text = host.read_text_if_exists(config_file)
     if text is None:
         raise NotFound(f"plugin config {config_file} does not exist", "give the path of a plugin TOML file")
     env = statusfile.environment_file(host, UNIT_ENV_FILE)
-    # The first one set is the one plugin run takes (config.load_config's order).
-    variable = next((v for v in (CONFIG_ENV, NVIDIA_CONFIG_ENV) if env.get(v)), None)
-    if variable is not None and env[variable] != CONFIG_PATH:
-        # The unit runs `plugin run` without --config: this variable, not the file installed here, would
-        # be the service's config.
+    named_by, named = config_file_named(env)  # as the unit's `plugin run` (no --config) will pick it
+    if named is not None and named != CONFIG_PATH:
+        variable = named_by.removeprefix("$")
         raise ConfigError(
-            f"{UNIT_ENV_FILE} sets {variable}={env[variable]}: the service would read that file, not the "
+            f"{UNIT_ENV_FILE} sets {variable}={named}: the service would read that file, not the "
             f"{CONFIG_PATH} plugin install writes",
             f"remove {variable} from {UNIT_ENV_FILE} (the file given to --config is installed as "
             f"{CONFIG_PATH}), then run again",

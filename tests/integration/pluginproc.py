@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
 
-from gpunode.plugin.nvidia_config import VARIABLES as NVIDIA_VARIABLES
+from gpunode.plugin.nvidia_env import VARIABLES as NVIDIA_VARIABLES
 from tests import fakenvml
 
 REPO = Path(__file__).resolve().parents[2]
