@@ -92,7 +92,9 @@ def _where(origin: str, key: str) -> str:
 def _str_choice(choices: tuple[str, ...]) -> Callable[[Any, str], str]:
     def parse(value: Any, where: str) -> str:
         if not isinstance(value, str) or value not in choices:
-            raise ConfigError(f"{where}: {value!r} is not one of: {', '.join(choices)}")
+            raise ConfigError(
+                f"{where}: {value!r} is not one of: {', '.join(choices)}", f"use one of: {', '.join(choices)}"
+            )
         return value
 
     return parse

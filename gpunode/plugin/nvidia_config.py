@@ -271,7 +271,7 @@ def key_setting(dotted: str, value: Any, where: str, line: int = 0) -> Setting:
     if dotted in ("flags.mpsRoot", "flags.plugin.containerDriverRoot") and not (
         isinstance(value, str) and (value == "" or value.startswith("/"))
     ):
-        raise ConfigError(f"{where}: {value!r} is not an absolute path")
+        raise ConfigError(f"{where}: {value!r} is not an absolute path", "give a path that starts with /")
     if dotted == "flags.mpsRoot" and value == "":
         return Setting(dotted, line, None, value, "empty: gpunode's default, /run/nvidia/mps")
     return Setting(dotted, line, _option_of(dotted) or None, value, note)

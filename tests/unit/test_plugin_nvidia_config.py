@@ -799,6 +799,7 @@ def test_a_bad_nvidia_variable_is_refused_by_name(tmp_path: Path, env: dict[str,
     with pytest.raises(ConfigError) as info:
         load_config(Host(root=tmp_path, env={}), env=env)
     assert message in info.value.message, info.value.message
+    assert info.value.fix, f"no fix for {info.value.message}"
     assert info.value.exit_code == ExitCode.CONFIG
 
 
