@@ -15,7 +15,7 @@ import re
 import stat
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -152,11 +152,16 @@ def exec_path(executable: str) -> str:
     return escaped if _PLAIN_PATH.fullmatch(executable) else f'"{escaped}"'
 
 
+def _under(path: str, prefixes: Iterable[str]) -> list[str]:
+    """The prefixes that are the path or a directory above it."""
+    return [p for p in prefixes if path == p or path.startswith(p + "/")]
+
+
 def render_unit(executable: str) -> str:
     template = resources.files("gpunode.templates").joinpath(UNIT).read_text(encoding="utf-8")
     text = template.replace("@GPUNODE@", exec_path(executable))
     for option, prefixes in _HIDING.items():
-        hidden_under = [p for p in prefixes if executable == p or executable.startswith(p + "/")]
+        hidden_under = _under(executable, prefixes)
         if hidden_under:
             text = text.replace(
                 f"\n{option}\n",
@@ -183,11 +188,7 @@ def render_doctor_units(executable: str, directory: str) -> tuple[str, str]:
 
 def hardening_relaxed(executable: str) -> list[str]:
     """The hardening options render_unit turns off for this location (to tell the operator)."""
-    return [
-        option
-        for option, prefixes in _HIDING.items()
-        if any(executable == p or executable.startswith(p + "/") for p in prefixes)
-    ]
+    return [option for option, prefixes in _HIDING.items() if _under(executable, prefixes)]
 
 
 def service_state(
@@ -309,7 +310,7 @@ def _validated_config(host: Host, config_file: str, executable: str) -> str:
         relaxed = set(hardening_relaxed(executable))
         root = config.mps_root
         for option, prefixes in _UNIT_PRIVATE.items():
-            under = [p for p in prefixes if root == p or root.startswith(p + "/")]
+            under = _under(root, prefixes)
             if under and option not in relaxed:
                 raise ConfigError(
                     f"mps.root {root} lies under {under[0]}, which the plugin's unit ({option}) keeps "
