@@ -164,10 +164,13 @@ def plan_revert(host: Host, runtime: str, opts: ConfigureOptions) -> RuntimePlan
         )
     changes: list[FileChange] = []
     messages: list[str] = []
+    kept: list[str] = []
     for record in known:
-        change, notes = _revert_file(host, record)
+        change, notes, keep = _revert_file(host, record)
         changes.append(replace(change, make_dirs=record.made_dirs))
         messages.extend(notes)
+        if keep:
+            kept.append(record.path)
     # Files are removed last: a main file must stop importing a drop-in before the drop-in goes.
     changes.sort(key=lambda c: c.after is None and c.before is not None)
     unit, socket, flavour = _service_of(host, runtime)
@@ -180,30 +183,64 @@ def plan_revert(host: Host, runtime: str, opts: ConfigureOptions) -> RuntimePlan
         flavour=flavour,
         standard_location=opts.config is None,
         revert=True,
+        kept=tuple(kept),
     )
 
 
-def _revert_file(host: Host, record: records.FileRecord) -> tuple[FileChange, list[str]]:
+def _revert_file(host: Host, record: records.FileRecord) -> tuple[FileChange, list[str], bool]:
+    """The change that puts one file back, the notes that explain it, and whether the file is kept as it
+    is because it is not (or cannot be shown to be) what gpunode wrote."""
     current = host.read_text_if_exists(record.path)
     digest = records.sha256(current)
     if digest == record.original_sha256:
         note = f"{record.path} is already as it was before gpunode"
-        return FileChange(record.path, current, current), [note]
+        return FileChange(record.path, current, current), [note], False
     original = records.trusted_backup(host, record)
     have_original = record.backup is None or original is not None
-    if digest == record.written_sha256 and have_original:
-        return FileChange(record.path, current, original), []  # byte for byte what was there before
+    if record.written_known and digest == record.written_sha256 and have_original:
+        return FileChange(record.path, current, original), [], False  # byte for byte what was there before
     if current is None:
-        return FileChange(record.path, None, None), [f"{record.path} was removed since gpunode changed it"]
+        if original is not None:
+            # The backup is now the only copy of the original: it goes back in place before the backup
+            # is removed, never the backup alone.
+            note = (
+                f"{record.path} was removed since gpunode changed it: the original is put back from "
+                f"{record.backup}"
+            )
+            return FileChange(record.path, None, original, mode=_mode_of(host, record.backup)), [note], False
+        return (
+            FileChange(record.path, None, None),
+            [f"{record.path} was removed since gpunode changed it"],
+            False,
+        )
     if record.owned:
-        note = f"{record.path} exists only for gpunode and is removed (edits made in it since go with it)"
-        return FileChange(record.path, current, None), [note]
+        # A file gpunode made is removed whole only while it is what gpunode wrote: anything else in it
+        # (the operator's own lines, or a record pointed at another file) is not gpunode's to delete.
+        why = (
+            f"the record of it ({records.RECORDS}) comes from an older gpunode and does not say what "
+            "gpunode wrote, so it cannot be told from your own"
+            if not record.written_known
+            else "it is no longer what gpunode wrote (changed since)"
+        )
+        note = (
+            f"{record.path} is kept as it is: {why}; gpunode forgets it, and whatever it configures "
+            f"stays in effect until you remove it (rm {record.path})"
+        )
+        return FileChange(record.path, current, current), [note], True
     fmt: Format = JsonFormat() if record.runtime == "docker" else TomlFormat()
     doc = fmt.parse(current, record.path)
     notes = undo_edits(fmt, doc, record.edits)
     why = "was edited since gpunode changed it" if have_original else f"has no backup left ({record.backup})"
     notes.insert(0, f"{record.path} {why}: removing only what gpunode added")
-    return FileChange(record.path, current, fmt.render(doc, current), mode=0o644), notes
+    return FileChange(record.path, current, fmt.render(doc, current), mode=0o644), notes, False
+
+
+def _mode_of(host: Host, path: str | None) -> int:
+    """The permission bits of a backup (gpunode keeps the original's mode on it), 0644 when unknown."""
+    try:
+        return 0o644 if path is None else host.path(path).stat().st_mode & 0o7777
+    except OSError:
+        return 0o644
 
 
 def _service_of(host: Host, runtime: str) -> tuple[str, str, str]:
