@@ -345,20 +345,29 @@ def apply_install(
 ) -> ServiceState:
     require_root(host, "plugin install")
     record = _read_record(host)
-    for f in plan.files:
-        if f.changed:
-            backup = f"{BACKUP_DIR}{f.path}" if f.before is not None and f.path not in record else None
-            host.write_file(
-                f.path, f.content, mode=f.mode, backup_to=backup, make_parents=True, exact_mode=True
-            )
-        record[f.path] = _digest(f.content)
-    host.make_dirs(os.path.dirname(RECORD_PATH))
-    host.write_file(RECORD_PATH, json.dumps(record, indent=2, sort_keys=True) + "\n", mode=0o644)
-    for argv in plan.commands:
-        host.run(list(argv), timeout=SYSTEMCTL_TIMEOUT).check()
-    if not plan.wait_ready:
-        return service_state(host)
-    return wait_until_active(host, timeout=timeout, sleep=sleep)
+    touched = False  # a file written or a systemctl command run: nothing of it is rolled back
+    try:
+        for f in plan.files:
+            if f.changed:
+                backup = f"{BACKUP_DIR}{f.path}" if f.before is not None and f.path not in record else None
+                host.write_file(
+                    f.path, f.content, mode=f.mode, backup_to=backup, make_parents=True, exact_mode=True
+                )
+                touched = True
+            record[f.path] = _digest(f.content)
+        host.make_dirs(os.path.dirname(RECORD_PATH))
+        host.write_file(RECORD_PATH, json.dumps(record, indent=2, sort_keys=True) + "\n", mode=0o644)
+        for argv in plan.commands:
+            touched = True  # a command that fails may still have done part of its work
+            host.run(list(argv), timeout=SYSTEMCTL_TIMEOUT).check()
+        if not plan.wait_ready:
+            return service_state(host)
+        return wait_until_active(host, timeout=timeout, sleep=sleep)
+    except GpunodeError as exc:
+        # The files stay written and the unit enabled (uninstall takes them back): the --json error
+        # document must not say the host is as it was.
+        exc.changed = exc.changed or touched
+        raise
 
 
 def wait_until_active(
