@@ -74,6 +74,7 @@ class ServicePlan:
     remove: tuple[str, ...] = ()  # files to delete (uninstall)
     wait_ready: bool = False
     notes: tuple[str, ...] = ()
+    kept: tuple[str, ...] = ()  # uninstall: files install wrote that were changed since (left in place)
 
     @property
     def changes_nothing(self) -> bool:
@@ -397,6 +398,7 @@ def plan_uninstall(host: Host) -> ServicePlan:
     """Stop, disable and remove what install wrote, and nothing else (files changed since are kept)."""
     record = _read_record(host)
     remove: list[str] = []
+    kept: list[str] = []
     notes: list[str] = []
     for path, digest in sorted(record.items()):
         text = host.read_text_if_exists(path)
@@ -405,18 +407,27 @@ def plan_uninstall(host: Host) -> ServicePlan:
         if _digest(text) == digest:
             remove.append(path)
         else:
+            kept.append(path)
             notes.append(f"{path} was changed after gpunode wrote it; left in place")
     state = service_state(host)
     commands: list[tuple[str, ...]] = []
-    if state.active not in ("inactive", "unknown") or state.enabled:
+    running = state.active not in ("inactive", "unknown") or state.enabled
+    if record and running:
         commands.append(("systemctl", "disable", "--now", UNIT))
+    elif running:
+        # Without a record the unit is someone else's (installed by hand, or by another tool): stopping
+        # it would undo what gpunode never did.
+        notes.append(
+            f"{UNIT} is {state.active}{' and enabled' if state.enabled else ''}, but gpunode has no record "
+            f"of installing it ({RECORD_PATH}); left running as it is"
+        )
     if f"/etc/systemd/system/{DOCTOR_TIMER}" in record:
         commands.append(("systemctl", "disable", "--now", DOCTOR_TIMER))
     if UNIT_PATH in remove or f"/etc/systemd/system/{DOCTOR_TIMER}" in remove:
         commands.append(("systemctl", "daemon-reload"))
     if not record and host.exists(UNIT_PATH):
         notes.append(f"{UNIT_PATH} was not installed by gpunode (no record); left in place")
-    return ServicePlan((), tuple(commands), remove=tuple(remove), notes=tuple(notes))
+    return ServicePlan((), tuple(commands), remove=tuple(remove), notes=tuple(notes), kept=tuple(kept))
 
 
 def apply_uninstall(host: Host, plan: ServicePlan) -> None:
