@@ -279,7 +279,7 @@ def _render_outcome(outcome: Outcome, restarted: bool, revert_hint: str) -> None
         click.echo(f"verified: {outcome.verified}")
     if outcome.restarted:
         click.echo(f"restarted {plan.unit}: {outcome.restarted}")
-    elif outcome.restart_pending or (outcome.changed and not restarted):
+    elif outcome.restart_pending or (outcome.changed and not restarted and plan.standard_location):
         click.echo(
             f"restart {plan.runtime} for the change to take effect (systemctl restart {plan.unit}, or run "
             "this command again with --restart)"

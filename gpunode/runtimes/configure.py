@@ -22,7 +22,7 @@ from gpunode.errors import (
 from gpunode.host import Host
 from gpunode.kubelet import kubelet_runtime
 from gpunode.runtimes import containerd as ctd
-from gpunode.runtimes import docker_editor, records, service
+from gpunode.runtimes import docker_editor, reader, records, service
 from gpunode.runtimes.containerd_editor import SOCKETS, plan_containerd, unit_for
 from gpunode.runtimes.crio_editor import plan_crio
 from gpunode.runtimes.docker_editor import plan_docker
@@ -92,6 +92,10 @@ def plan_configure(host: Host, runtime: str, opts: ConfigureOptions) -> RuntimeP
     for change in plan.pending:
         if change.after is not None:
             check_rendered(fmt, change.after, change.edits, change.path)
+    found, unread = reader.reader(host, runtime, [c.path for c in plan.changes])
+    if found is None and unread is not None:
+        # A file no service reads (a scratch --config): nothing to restart, now or later.
+        plan = replace(plan, standard_location=False, messages=(*plan.messages, unread))
     binary = opts.runtime_path
     if binary.startswith("/") and not host.exists(binary):
         plan = replace(
@@ -173,7 +177,17 @@ def plan_revert(host: Host, runtime: str, opts: ConfigureOptions) -> RuntimePlan
             kept.append(record.path)
     # Files are removed last: a main file must stop importing a drop-in before the drop-in goes.
     changes.sort(key=lambda c: c.after is None and c.before is not None)
+    # The restart is for the service that reads the recorded files, whatever is installed now: none for a
+    # scratch --config file, k3s's (not containerd.service) for a k3s drop-in, none once k3s is gone.
     unit, socket, flavour = _service_of(host, runtime)
+    read_by_service = opts.config is None
+    if known:
+        found, unread = reader.reader(host, runtime, [r.path for r in known])
+        if found is not None:
+            unit, socket, flavour = found.unit, found.socket, found.flavour
+        elif unread is not None:
+            messages.append(unread)
+        read_by_service = found is not None
     return RuntimePlan(
         runtime=runtime,
         changes=tuple(changes),
@@ -181,7 +195,7 @@ def plan_revert(host: Host, runtime: str, opts: ConfigureOptions) -> RuntimePlan
         unit=unit,
         socket=socket,
         flavour=flavour,
-        standard_location=opts.config is None,
+        standard_location=read_by_service,
         revert=True,
         kept=tuple(kept),
     )
@@ -351,7 +365,7 @@ def apply(
         # Nothing of gpunode's is left for the runtime to read; without a restart now, the operator is told
         # to restart it, as after any change gpunode does not restart for.
         new_records.restart_pending.discard(plan.runtime)
-    elif pending:
+    elif pending and plan.standard_location:  # a file no service reads leaves no restart to do
         new_records.restart_pending.add(plan.runtime)
     if not pending and new_records == old_records and not do_restart:
         return outcome
