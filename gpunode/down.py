@@ -14,10 +14,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from gpunode.errors import NotFound
 from gpunode.host import Host
 from gpunode.up import Step, runtime_step
+
+if TYPE_CHECKING:
+    from gpunode.systemd.service import ServicePlan
 
 
 @dataclass(frozen=True)
@@ -47,25 +51,57 @@ def _plugin(host: Host) -> Step:
     from gpunode.systemd import service
 
     plan = service.plan_uninstall(host)
-    if plan.changes_nothing:
-        return Step("plugin", f"{service.UNIT} is not installed by gpunode", needed=False, skipped=True)
     details = [f"run: {' '.join(c)}" for c in plan.commands] + [f"remove {p}" for p in plan.remove]
+    details += [f"keep {p} (changed since gpunode wrote it)" for p in plan.kept]
     details += [f"note: {n}" for n in plan.notes]
+    if plan.changes_nothing:
+        return Step(
+            "plugin",
+            f"{service.UNIT} is not installed by gpunode" + (" (nothing of it is undone)" if details else ""),
+            needed=False,
+            skipped=True,
+            details=details,
+        )
 
     def apply() -> str:
         service.require_root(host, "down")
         fresh = service.plan_uninstall(host)
         service.apply_uninstall(host, fresh)
-        return f"{service.UNIT} stopped, disabled and removed"
+        return _plugin_done(fresh)
 
+    verbs = (["stop", "disable"] if _disables(plan) else []) + (["remove"] if plan.remove else [])
+    said = f"{', '.join(verbs[:-1])} and {verbs[-1]}" if len(verbs) > 1 else "".join(verbs)
+    summary = f"{said or 'undo what gpunode did to'} {service.UNIT}"
+    if plan.kept:
+        summary += f"; keep {', '.join(plan.kept)} (changed since gpunode wrote it)"
     return Step(
         "plugin",
-        f"stop, disable and remove {service.UNIT}",
+        summary,
         needed=True,
         details=details,
         apply=apply,
         warnings=["pods already running on the node's GPUs keep running; new ones are not scheduled here"],
     )
+
+
+def _disables(plan: ServicePlan) -> bool:
+    from gpunode.systemd.service import UNIT
+
+    return ("systemctl", "disable", "--now", UNIT) in plan.commands
+
+
+def _plugin_done(plan: ServicePlan) -> str:
+    """What the plugin step did, as it was done: a file kept is never reported removed."""
+    from gpunode.systemd.service import UNIT
+
+    done = []
+    if _disables(plan):
+        done.append("stopped and disabled")
+    if plan.remove:
+        done.append("removed " + ", ".join(plan.remove))
+    if plan.kept:
+        done.append("kept " + ", ".join(plan.kept) + " (changed since gpunode wrote it)")
+    return f"{UNIT}: " + ("; ".join(done) or "nothing left to undo")
 
 
 def _node(host: Host, opts: DownOptions) -> Step:

@@ -192,10 +192,12 @@ def runtime_step(host: Host, plan: RuntimePlan, replan: Callable[[], RuntimePlan
     runtime = plan.runtime
     restart = host.is_real_root and plan.standard_location
     restarts = configure.will_restart(host, plan, restart)
-    if not plan.pending and not restarts:
+    # A revert's notes say what is kept and why, and why no restart is planned: down reports them.
+    notes = [f"note: {m}" for m in plan.messages] if plan.revert else []
+    if not plan.pending and not restarts and not plan.kept:
         done = "has none of gpunode's changes" if plan.revert else "is configured for the nvidia runtime"
-        return Step("runtime", f"{runtime} {done}", needed=False)
-    details = [c.diff() for c in plan.pending]
+        return Step("runtime", f"{runtime} {done}", needed=False, details=notes)
+    details = [c.diff() for c in plan.pending] + notes
     if restarts:
         details += [f"run: {' '.join(argv)}" for argv in service.restart_commands(host, plan)]
         details.append(f"warning: {service.disruption(host, plan)}")
@@ -208,7 +210,8 @@ def runtime_step(host: Host, plan: RuntimePlan, replan: Callable[[], RuntimePlan
         restarted = f"; restarted {fresh.unit}" if outcome.restarted else ""
         verb = "restored" if fresh.revert else "wrote"
         files = ", ".join([*outcome.written, *outcome.removed]) or "no file"
-        return f"{runtime}: {verb} {files}{restarted}"
+        kept = f"; kept {', '.join(fresh.kept)} (not what gpunode wrote)" if fresh.kept else ""
+        return f"{runtime}: {verb} {files}{kept}{restarted}"
 
     what = "revert gpunode's changes to" if plan.revert else "configure"
     goal = "" if plan.revert else " for the nvidia runtime, as the default"

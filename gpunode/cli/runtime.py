@@ -219,6 +219,7 @@ def _emit_json(
         restarted=outcome.restarted if outcome else None,
         restart_pending=outcome.restart_pending if outcome else None,
         undo=undo,
+        kept=list(plan.kept),
     )
     jsonout.emit(doc)
 
@@ -242,10 +243,13 @@ def _render_plan(plan: RuntimePlan, *, dry_run: bool) -> None:
         sys.stdout.write(change.diff())
     for message in plan.messages:
         click.echo(f"note: {message}")
+    for path in plan.kept:
+        click.echo(f"kept {path} (not what gpunode wrote: see the note above)")
     if not plan.pending:
-        files = ", ".join(c.path for c in plan.changes)
+        files = ", ".join(c.path for c in plan.changes if c.path not in plan.kept)
+        as_before = f" ({files} already as before gpunode)" if files else ""
         click.echo(
-            f"{plan.runtime}: nothing to revert ({files} already as before gpunode)"
+            f"{plan.runtime}: nothing to revert{as_before}"
             if plan.revert
             else f"{plan.runtime} is already configured: nothing to change ({files} untouched)"
         )
@@ -275,7 +279,7 @@ def _render_outcome(outcome: Outcome, restarted: bool, revert_hint: str) -> None
         click.echo(f"verified: {outcome.verified}")
     if outcome.restarted:
         click.echo(f"restarted {plan.unit}: {outcome.restarted}")
-    elif outcome.restart_pending or (outcome.changed and not restarted):
+    elif outcome.restart_pending or (outcome.changed and not restarted and plan.standard_location):
         click.echo(
             f"restart {plan.runtime} for the change to take effect (systemctl restart {plan.unit}, or run "
             "this command again with --restart)"

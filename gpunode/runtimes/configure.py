@@ -22,7 +22,7 @@ from gpunode.errors import (
 from gpunode.host import Host
 from gpunode.kubelet import kubelet_runtime
 from gpunode.runtimes import containerd as ctd
-from gpunode.runtimes import docker_editor, records, service
+from gpunode.runtimes import docker_editor, reader, records, service
 from gpunode.runtimes.containerd_editor import SOCKETS, plan_containerd, unit_for
 from gpunode.runtimes.crio_editor import plan_crio
 from gpunode.runtimes.docker_editor import plan_docker
@@ -92,6 +92,10 @@ def plan_configure(host: Host, runtime: str, opts: ConfigureOptions) -> RuntimeP
     for change in plan.pending:
         if change.after is not None:
             check_rendered(fmt, change.after, change.edits, change.path)
+    found, unread = reader.reader(host, runtime, [c.path for c in plan.changes])
+    if found is None and unread is not None:
+        # A file no service reads (a scratch --config): nothing to restart, now or later.
+        plan = replace(plan, standard_location=False, messages=(*plan.messages, unread))
     binary = opts.runtime_path
     if binary.startswith("/") and not host.exists(binary):
         plan = replace(
@@ -164,13 +168,26 @@ def plan_revert(host: Host, runtime: str, opts: ConfigureOptions) -> RuntimePlan
         )
     changes: list[FileChange] = []
     messages: list[str] = []
+    kept: list[str] = []
     for record in known:
-        change, notes = _revert_file(host, record)
+        change, notes, keep = _revert_file(host, record)
         changes.append(replace(change, make_dirs=record.made_dirs))
         messages.extend(notes)
+        if keep:
+            kept.append(record.path)
     # Files are removed last: a main file must stop importing a drop-in before the drop-in goes.
     changes.sort(key=lambda c: c.after is None and c.before is not None)
+    # The restart is for the service that reads the recorded files, whatever is installed now: none for a
+    # scratch --config file, k3s's (not containerd.service) for a k3s drop-in, none once k3s is gone.
     unit, socket, flavour = _service_of(host, runtime)
+    read_by_service = opts.config is None
+    if known:
+        found, unread = reader.reader(host, runtime, [r.path for r in known])
+        if found is not None:
+            unit, socket, flavour = found.unit, found.socket, found.flavour
+        elif unread is not None:
+            messages.append(unread)
+        read_by_service = found is not None
     return RuntimePlan(
         runtime=runtime,
         changes=tuple(changes),
@@ -178,32 +195,66 @@ def plan_revert(host: Host, runtime: str, opts: ConfigureOptions) -> RuntimePlan
         unit=unit,
         socket=socket,
         flavour=flavour,
-        standard_location=opts.config is None,
+        standard_location=read_by_service,
         revert=True,
+        kept=tuple(kept),
     )
 
 
-def _revert_file(host: Host, record: records.FileRecord) -> tuple[FileChange, list[str]]:
+def _revert_file(host: Host, record: records.FileRecord) -> tuple[FileChange, list[str], bool]:
+    """The change that puts one file back, the notes that explain it, and whether the file is kept as it
+    is because it is not (or cannot be shown to be) what gpunode wrote."""
     current = host.read_text_if_exists(record.path)
     digest = records.sha256(current)
     if digest == record.original_sha256:
         note = f"{record.path} is already as it was before gpunode"
-        return FileChange(record.path, current, current), [note]
+        return FileChange(record.path, current, current), [note], False
     original = records.trusted_backup(host, record)
     have_original = record.backup is None or original is not None
-    if digest == record.written_sha256 and have_original:
-        return FileChange(record.path, current, original), []  # byte for byte what was there before
+    if record.written_known and digest == record.written_sha256 and have_original:
+        return FileChange(record.path, current, original), [], False  # byte for byte what was there before
     if current is None:
-        return FileChange(record.path, None, None), [f"{record.path} was removed since gpunode changed it"]
+        if original is not None:
+            # The backup is now the only copy of the original: it goes back in place before the backup
+            # is removed, never the backup alone.
+            note = (
+                f"{record.path} was removed since gpunode changed it: the original is put back from "
+                f"{record.backup}"
+            )
+            return FileChange(record.path, None, original, mode=_mode_of(host, record.backup)), [note], False
+        return (
+            FileChange(record.path, None, None),
+            [f"{record.path} was removed since gpunode changed it"],
+            False,
+        )
     if record.owned:
-        note = f"{record.path} exists only for gpunode and is removed (edits made in it since go with it)"
-        return FileChange(record.path, current, None), [note]
+        # A file gpunode made is removed whole only while it is what gpunode wrote: anything else in it
+        # (the operator's own lines, or a record pointed at another file) is not gpunode's to delete.
+        why = (
+            f"the record of it ({records.RECORDS}) comes from an older gpunode and does not say what "
+            "gpunode wrote, so it cannot be told from your own"
+            if not record.written_known
+            else "it is no longer what gpunode wrote (changed since)"
+        )
+        note = (
+            f"{record.path} is kept as it is: {why}; gpunode forgets it, and whatever it configures "
+            f"stays in effect until you remove it (rm {record.path})"
+        )
+        return FileChange(record.path, current, current), [note], True
     fmt: Format = JsonFormat() if record.runtime == "docker" else TomlFormat()
     doc = fmt.parse(current, record.path)
     notes = undo_edits(fmt, doc, record.edits)
     why = "was edited since gpunode changed it" if have_original else f"has no backup left ({record.backup})"
     notes.insert(0, f"{record.path} {why}: removing only what gpunode added")
-    return FileChange(record.path, current, fmt.render(doc, current), mode=0o644), notes
+    return FileChange(record.path, current, fmt.render(doc, current), mode=0o644), notes, False
+
+
+def _mode_of(host: Host, path: str | None) -> int:
+    """The permission bits of a backup (gpunode keeps the original's mode on it), 0644 when unknown."""
+    try:
+        return 0o644 if path is None else host.path(path).stat().st_mode & 0o7777
+    except OSError:
+        return 0o644
 
 
 def _service_of(host: Host, runtime: str) -> tuple[str, str, str]:
@@ -314,7 +365,7 @@ def apply(
         # Nothing of gpunode's is left for the runtime to read; without a restart now, the operator is told
         # to restart it, as after any change gpunode does not restart for.
         new_records.restart_pending.discard(plan.runtime)
-    elif pending:
+    elif pending and plan.standard_location:  # a file no service reads leaves no restart to do
         new_records.restart_pending.add(plan.runtime)
     if not pending and new_records == old_records and not do_restart:
         return outcome

@@ -72,6 +72,9 @@ class RuntimePlan:
     standard_location: bool = True  # False when --config points elsewhere: no restart by default
     revert: bool = False
     expect: tuple[str, bool] | None = None  # (runtime name, is default) the runtime should show once up
+    # A revert's files that gpunode leaves where they are although it made them: they are no longer (or
+    # cannot be shown to be) what gpunode wrote, so they are the operator's now. The messages say why.
+    kept: tuple[str, ...] = ()
 
     @property
     def pending(self) -> tuple[FileChange, ...]:

@@ -47,12 +47,15 @@ class FileRecord:
     edits: tuple[Edit, ...] = ()
     owned: bool = False  # a file that exists only for gpunode (a drop-in it created)
     made_dirs: tuple[str, ...] = ()  # directories gpunode created for it, outermost first
+    # False for a record that does not say what gpunode wrote (no written_sha256 key: an older or
+    # hand-made record): the file cannot be told from the operator's, so a revert never removes it.
+    written_known: bool = True
 
     def to_json(self) -> dict[str, Any]:
         return {
             "runtime": self.runtime,
             "original_sha256": self.original_sha256,
-            "written_sha256": self.written_sha256,
+            **({"written_sha256": self.written_sha256} if self.written_known else {}),
             "backup": self.backup,
             "owned": self.owned,
             "edits": [e.to_json() for e in self.edits],
@@ -70,6 +73,7 @@ class FileRecord:
             edits=tuple(Edit.from_json(e) for e in data.get("edits", [])),
             owned=bool(data.get("owned", False)),
             made_dirs=tuple(str(d) for d in data.get("made_dirs", [])),
+            written_known="written_sha256" in data,
         )
 
 
@@ -107,7 +111,7 @@ class Records:
                 owned=owned,
                 made_dirs=tuple(made_dirs),
             )
-        return replace(old, written_sha256=sha256(after), edits=(*old.edits, *edits))
+        return replace(old, written_sha256=sha256(after), edits=(*old.edits, *edits), written_known=True)
 
 
 def load(host: Host) -> Records:

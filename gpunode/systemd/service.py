@@ -74,6 +74,7 @@ class ServicePlan:
     remove: tuple[str, ...] = ()  # files to delete (uninstall)
     wait_ready: bool = False
     notes: tuple[str, ...] = ()
+    kept: tuple[str, ...] = ()  # uninstall: files install wrote that were changed since (left in place)
 
     @property
     def changes_nothing(self) -> bool:
@@ -345,20 +346,29 @@ def apply_install(
 ) -> ServiceState:
     require_root(host, "plugin install")
     record = _read_record(host)
-    for f in plan.files:
-        if f.changed:
-            backup = f"{BACKUP_DIR}{f.path}" if f.before is not None and f.path not in record else None
-            host.write_file(
-                f.path, f.content, mode=f.mode, backup_to=backup, make_parents=True, exact_mode=True
-            )
-        record[f.path] = _digest(f.content)
-    host.make_dirs(os.path.dirname(RECORD_PATH))
-    host.write_file(RECORD_PATH, json.dumps(record, indent=2, sort_keys=True) + "\n", mode=0o644)
-    for argv in plan.commands:
-        host.run(list(argv), timeout=SYSTEMCTL_TIMEOUT).check()
-    if not plan.wait_ready:
-        return service_state(host)
-    return wait_until_active(host, timeout=timeout, sleep=sleep)
+    touched = False  # a file written or a systemctl command run: nothing of it is rolled back
+    try:
+        for f in plan.files:
+            if f.changed:
+                backup = f"{BACKUP_DIR}{f.path}" if f.before is not None and f.path not in record else None
+                host.write_file(
+                    f.path, f.content, mode=f.mode, backup_to=backup, make_parents=True, exact_mode=True
+                )
+                touched = True
+            record[f.path] = _digest(f.content)
+        host.make_dirs(os.path.dirname(RECORD_PATH))
+        host.write_file(RECORD_PATH, json.dumps(record, indent=2, sort_keys=True) + "\n", mode=0o644)
+        for argv in plan.commands:
+            touched = True  # a command that fails may still have done part of its work
+            host.run(list(argv), timeout=SYSTEMCTL_TIMEOUT).check()
+        if not plan.wait_ready:
+            return service_state(host)
+        return wait_until_active(host, timeout=timeout, sleep=sleep)
+    except GpunodeError as exc:
+        # The files stay written and the unit enabled (uninstall takes them back): the --json error
+        # document must not say the host is as it was.
+        exc.changed = exc.changed or touched
+        raise
 
 
 def wait_until_active(
@@ -388,6 +398,7 @@ def plan_uninstall(host: Host) -> ServicePlan:
     """Stop, disable and remove what install wrote, and nothing else (files changed since are kept)."""
     record = _read_record(host)
     remove: list[str] = []
+    kept: list[str] = []
     notes: list[str] = []
     for path, digest in sorted(record.items()):
         text = host.read_text_if_exists(path)
@@ -396,18 +407,27 @@ def plan_uninstall(host: Host) -> ServicePlan:
         if _digest(text) == digest:
             remove.append(path)
         else:
+            kept.append(path)
             notes.append(f"{path} was changed after gpunode wrote it; left in place")
     state = service_state(host)
     commands: list[tuple[str, ...]] = []
-    if state.active not in ("inactive", "unknown") or state.enabled:
+    running = state.active not in ("inactive", "unknown") or state.enabled
+    if record and running:
         commands.append(("systemctl", "disable", "--now", UNIT))
+    elif running:
+        # Without a record the unit is someone else's (installed by hand, or by another tool): stopping
+        # it would undo what gpunode never did.
+        notes.append(
+            f"{UNIT} is {state.active}{' and enabled' if state.enabled else ''}, but gpunode has no record "
+            f"of installing it ({RECORD_PATH}); left running as it is"
+        )
     if f"/etc/systemd/system/{DOCTOR_TIMER}" in record:
         commands.append(("systemctl", "disable", "--now", DOCTOR_TIMER))
     if UNIT_PATH in remove or f"/etc/systemd/system/{DOCTOR_TIMER}" in remove:
         commands.append(("systemctl", "daemon-reload"))
     if not record and host.exists(UNIT_PATH):
         notes.append(f"{UNIT_PATH} was not installed by gpunode (no record); left in place")
-    return ServicePlan((), tuple(commands), remove=tuple(remove), notes=tuple(notes))
+    return ServicePlan((), tuple(commands), remove=tuple(remove), notes=tuple(notes), kept=tuple(kept))
 
 
 def apply_uninstall(host: Host, plan: ServicePlan) -> None:
