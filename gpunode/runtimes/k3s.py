@@ -393,17 +393,26 @@ def _template_entry(
                 "out --cdi",
             )
     if own is not None and own_binary == opts.runtime_path:
-        messages.append(
-            f'{flavour} already adds the "{opts.runtime_name}" runtime itself ({own_binary}): nothing to add'
-        )
         if (
             reference.get("SystemdCgroup") is True
             and ctd.runtime_options(own).get("SystemdCgroup") is not True
         ):
-            messages.append(
-                f'{flavour}\'s "{opts.runtime_name}" runtime lacks SystemdCgroup = true while runc has it: '
-                f"upgrade {flavour} (current releases write it), as pods are killed on systemd-cgroup nodes"
+            # "Already configured" would be a success the node does not have: pods on this runtime get
+            # the cgroupfs driver on a systemd-cgroup node, and kubelet kills them. A template cannot
+            # repair k3s's own table (it would define it twice), so gpunode says how instead.
+            raise ConfigError(
+                f'{flavour} {_release_text(layout)} adds the "{opts.runtime_name}" runtime itself without '
+                "SystemdCgroup = true while runc has it: on this systemd-cgroup node its pods would be "
+                "killed, and a template cannot add the option to a table k3s writes",
+                f"upgrade {flavour} to a release whose nvidia runtime copies runc's SystemdCgroup (or to one "
+                "that imports config-v3.toml.d, where gpunode adds the option), or let gpunode write its own "
+                f"runtime in a template under another name: `gpunode configure-runtime containerd "
+                f"--runtime-name {opts.runtime_name}-systemd` (then use that name as the RuntimeClass "
+                "handler)",
             )
+        messages.append(
+            f'{flavour} already adds the "{opts.runtime_name}" runtime itself ({own_binary}): nothing to add'
+        )
         return None
     if own is not None:
         raise ConfigError(
