@@ -92,6 +92,8 @@ def plan_configure(host: Host, runtime: str, opts: ConfigureOptions) -> RuntimeP
     for change in plan.pending:
         if change.after is not None:
             check_rendered(fmt, change.after, change.edits, change.path)
+    if not host.commands_reach_root:
+        plan = replace(plan, messages=(*plan.messages, _probes_note(host, runtime, plan.flavour)))
     binary = opts.runtime_path
     if binary.startswith("/") and not host.exists(binary):
         plan = replace(
@@ -102,6 +104,17 @@ def plan_configure(host: Host, runtime: str, opts: ConfigureOptions) -> RuntimeP
             ),
         )
     return plan
+
+
+def _probes_note(host: Host, runtime: str, flavour: str) -> str:
+    """Where the version probes looked under --root: R's own programs, never this machine's."""
+    from gpunode.runtimes import k3s, probe
+
+    programs = list(_PROGRAMS[runtime])
+    if flavour in k3s.EMBEDDED_CONTAINERD:
+        programs = [flavour, k3s.EMBEDDED_CONTAINERD[flavour]]
+    looked = "; ".join(probe.locate(host, p).where for p in programs)
+    return f"under --root the runtime's own programs are asked, never this machine's: {looked}"
 
 
 def plan_remove(host: Host, runtime: str, opts: ConfigureOptions) -> RuntimePlan:

@@ -29,10 +29,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gpunode.errors import CommandFailed, ConfigError, NotFound
+from gpunode.errors import ConfigError, NotFound
 from gpunode.host import Host
 from gpunode.runtimes import containerd as ctd
-from gpunode.runtimes import records
+from gpunode.runtimes import probe, records
 from gpunode.runtimes.containerd_editor import SOCKETS, unit_for
 from gpunode.runtimes.edits import Edit, Editor, TomlFormat, new_toml_document
 from gpunode.runtimes.plan import ConfigureOptions, FileChange, RuntimePlan
@@ -106,22 +106,15 @@ def has_base_template(release: tuple[int, int, int]) -> bool:
 
 
 def installed_release(host: Host, flavour: str) -> tuple[int, int, int] | None:
-    try:
-        result = host.run([flavour, "--version"], timeout=VERSION_TIMEOUT)
-    except CommandFailed:
-        return None
-    return parse_release(result.stdout) if result.ok else None
+    """`k3s --version` / `rke2 --version`; under --root R's own binary, never this machine's."""
+    result, _ = probe.run(host, flavour, ["--version"], timeout=VERSION_TIMEOUT)
+    return parse_release(result.stdout) if result is not None and result.ok else None
 
 
 def embedded_containerd(host: Host, flavour: str) -> tuple[int, int] | None:
-    binary = EMBEDDED_CONTAINERD[flavour]
-    if not host.is_file(binary):
-        return None
-    try:
-        result = host.run([binary, "--version"], timeout=VERSION_TIMEOUT)
-    except CommandFailed:
-        return None
-    return ctd.parse_containerd_version(result.stdout) if result.ok else None
+    """The embedded containerd's version, run from its path in the root (under --root: R's binary)."""
+    result, _ = probe.run(host, EMBEDDED_CONTAINERD[flavour], ["--version"], timeout=VERSION_TIMEOUT)
+    return ctd.parse_containerd_version(result.stdout) if result is not None and result.ok else None
 
 
 def imported_dropin_dir(doc: Mapping[str, Any], directory: str) -> str | None:

@@ -89,3 +89,69 @@ def test_restart_under_root_is_a_next_step_in_the_dry_run_and_the_json(
     assert doc["restart_pending"] is True
     assert any("systemctl restart docker.service` there" in m for m in doc["messages"])
     assert calls(tmp_path) == []
+
+
+# -- version probes: R's own program, never this machine's -------------------------------------------------
+
+
+def test_no_dockerd_in_root_judges_as_the_newest_and_never_asks_this_machines(
+    tmp_path: Path, machine: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # This machine's dockerd is an old one that would refuse the file: it must not be what decides.
+    program(
+        machine, "dockerd", f'echo "dockerd $*" >> {tmp_path / "calls"}; echo "Docker version 20.10.24"\n'
+    )
+    root = tmp_path / "root"
+    original = '\ufeff{"cdi-spec-dirs": ["/etc/cdi"]}\n'  # a BOM and a key dockerd 20.10 does not know
+    path = put(root, DAEMON_JSON, original)
+    code, out, err = cli(root, capsys, "docker", "--no-restart")
+    assert code == ExitCode.OK, err
+    assert calls(tmp_path) == []
+    written = path.read_text()
+    assert written.startswith('\ufeff{"cdi-spec-dirs"') and '"nvidia"' in written  # BOM and key kept
+    assert f"dockerd's version is unknown (no dockerd in {root})" in out and "judged as dockerd 28" in out
+    assert f"never this machine's: no dockerd in {root}" in out
+
+
+def test_the_dockerd_in_root_is_the_one_asked(
+    tmp_path: Path, machine: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    program(machine, "dockerd", f'echo "dockerd $*" >> {tmp_path / "calls"}; echo "Docker version 28.5.2"\n')
+    root = tmp_path / "root"
+    program(
+        root / "usr/bin",
+        "dockerd",
+        f'echo "R dockerd $*" >> {tmp_path / "calls"}; echo "Docker version 20.10.24"\n',
+    )
+    path = put(root, DAEMON_JSON, '\ufeff{"debug": true}\n')
+    code, _, err = cli(root, capsys, "docker", "--no-restart")
+    assert code == ExitCode.CONFIG  # R's dockerd 20.10 does not start on a BOM
+    assert "which dockerd 20.10 refuses" in err
+    assert calls(tmp_path) == ["R dockerd --version"]
+    assert path.read_text() == '\ufeff{"debug": true}\n'
+
+
+def test_containerds_version_comes_from_root(
+    tmp_path: Path, machine: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    program(machine, "containerd", 'echo "containerd github.com/containerd/containerd 1.6.20 abc"\n')
+    root = tmp_path / "root"
+    program(root / "usr/bin", "containerd", 'echo "containerd containerd.io v2.1.4 75cb2b7"\n')
+    path = put(root, "/etc/containerd/config.toml", "")
+    code, out, err = cli(root, capsys, "containerd", "--no-restart")
+    assert code == ExitCode.OK, err
+    assert path.read_text().startswith("version = 3")  # R's containerd 2.x reads version 3
+    assert f"never this machine's: /usr/bin/containerd in {root}" in out
+
+
+def test_k3s_release_comes_from_root(
+    tmp_path: Path, machine: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "root"
+    program(root / "usr/local/bin", "k3s", 'echo "k3s version v1.28.5+k3s1 (5b2d1271)"\n')
+    fixture = Path(__file__).resolve().parent.parent / "fixtures/containerd/k3s/v2-k3s-v1.28.toml"
+    put(root, "/var/lib/rancher/k3s/agent/etc/containerd/config.toml", fixture.read_text())
+    code, out, err = cli(root, capsys, "containerd", "--no-restart")
+    assert code == ExitCode.OK, err  # a v1.28.5 release has the base template: gpunode writes one
+    assert (root / "var/lib/rancher/k3s/agent/etc/containerd/config.toml.tmpl").is_file()
+    assert f"/usr/local/bin/k3s in {root}" in out
