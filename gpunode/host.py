@@ -99,7 +99,11 @@ class SubprocessRunner:
             proc = subprocess.run(
                 list(argv),
                 capture_output=True,
-                text=True,
+                # Programs print what they like (a journal line with a Latin-1 byte, a path that is not
+                # UTF-8): a strict decode would turn that into a crash half-way through a change. U+FFFD
+                # stands for such a byte, in parsed output and in messages alike.
+                encoding="utf-8",
+                errors="replace",
                 timeout=timeout,
                 env=full_env,
                 input=input,
@@ -138,7 +142,7 @@ class SubprocessRunner:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=full_env,
-                text=True,
+                encoding="utf-8",  # as run(): whatever the locale, a byte that is not UTF-8 is U+FFFD
                 errors="replace",
             )
         except FileNotFoundError as exc:
@@ -238,6 +242,16 @@ class Host:
     @property
     def is_real_root(self) -> bool:
         return self.root == Path("/")
+
+    @property
+    def commands_reach_root(self) -> bool:
+        """Whether the commands this Host runs are the programs of the system under its root.
+
+        On the real root they are. Under --root R the real runner runs this machine's programs, not R's:
+        gpunode then runs nothing that acts (a restart, an enable) and probes R's own binaries by their
+        path in R. A runner that answers for R itself (the scripted node of tests) reaches R.
+        """
+        return self.is_real_root or not isinstance(self.runner, SubprocessRunner)
 
     @property
     def euid(self) -> int:

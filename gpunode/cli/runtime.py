@@ -148,6 +148,7 @@ def configure_runtime(
         plan = _planner(configure, revert=revert, remove=remove)(host, chosen, opts)
         do_restart = restart if restart is not None else host.is_real_root and plan.standard_location
         restarts = configure.will_restart(host, plan, do_restart)
+        plan = _with_restart_note(configure, host, plan, do_restart)
         if as_json:
             _emit_json(host, plan, None, restarts=restarts, dry_run=True, why=why, undo=None)
             return
@@ -159,6 +160,7 @@ def configure_runtime(
         plan = _planner(configure, revert=revert, remove=remove)(host, chosen, opts)
         do_restart = restart if restart is not None else host.is_real_root and plan.standard_location
         restarts = configure.will_restart(host, plan, do_restart)
+        plan = _with_restart_note(configure, host, plan, do_restart)
         if not as_json:
             _render_plan(plan, dry_run=False)
         if restarts:
@@ -178,7 +180,14 @@ def configure_runtime(
         undo = " ".join(hint) if outcome.changed and not plan.revert else None
         _emit_json(host, plan, outcome, restarts=restarts, dry_run=False, why=why, undo=undo)
         return
-    _render_outcome(outcome, do_restart, " ".join(hint))
+    _render_outcome(outcome, restarts, " ".join(hint), elsewhere=not host.commands_reach_root)
+
+
+def _with_restart_note(configure: ModuleType, host: Host, plan: RuntimePlan, asked: bool) -> RuntimePlan:
+    from dataclasses import replace
+
+    note = configure.restart_elsewhere(host, plan) if asked else None
+    return plan if note is None else replace(plan, messages=(*plan.messages, note))
 
 
 def _emit_json(
@@ -267,7 +276,7 @@ def _render_restart(host: Host, plan: RuntimePlan, *, dry_run: bool) -> None:
         click.echo(f"note: {service.disruption(host, plan)}")
 
 
-def _render_outcome(outcome: Outcome, restarted: bool, revert_hint: str) -> None:
+def _render_outcome(outcome: Outcome, restarted: bool, revert_hint: str, *, elsewhere: bool) -> None:
     plan = outcome.plan
     for path in outcome.written:
         click.echo(f"{'restored' if plan.revert else 'wrote'} {path}")
@@ -279,6 +288,11 @@ def _render_outcome(outcome: Outcome, restarted: bool, revert_hint: str) -> None
         click.echo(f"verified: {outcome.verified}")
     if outcome.restarted:
         click.echo(f"restarted {plan.unit}: {outcome.restarted}")
+    elif (outcome.restart_pending or (outcome.changed and not restarted and plan.standard_location)) and elsewhere:
+        click.echo(
+            f"restart {plan.runtime} where these files are the running system's for the change to take "
+            f"effect (systemctl restart {plan.unit} there; never run from here under --root)"
+        )
     elif outcome.restart_pending or (outcome.changed and not restarted and plan.standard_location):
         click.echo(
             f"restart {plan.runtime} for the change to take effect (systemctl restart {plan.unit}, or run "

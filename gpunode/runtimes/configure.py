@@ -96,6 +96,8 @@ def plan_configure(host: Host, runtime: str, opts: ConfigureOptions) -> RuntimeP
     if found is None and unread is not None:
         # A file no service reads (a scratch --config): nothing to restart, now or later.
         plan = replace(plan, standard_location=False, messages=(*plan.messages, unread))
+    if not host.commands_reach_root:
+        plan = replace(plan, messages=(*plan.messages, _probes_note(host, runtime, plan.flavour)))
     binary = opts.runtime_path
     if binary.startswith("/") and not host.exists(binary):
         plan = replace(
@@ -106,6 +108,17 @@ def plan_configure(host: Host, runtime: str, opts: ConfigureOptions) -> RuntimeP
             ),
         )
     return plan
+
+
+def _probes_note(host: Host, runtime: str, flavour: str) -> str:
+    """Where the version probes looked under --root: R's own programs, never this machine's."""
+    from gpunode.runtimes import k3s, probe
+
+    programs = list(_PROGRAMS[runtime])
+    if flavour in k3s.EMBEDDED_CONTAINERD:
+        programs = [flavour, k3s.EMBEDDED_CONTAINERD[flavour]]
+    looked = "; ".join(probe.locate(host, p).where for p in programs)
+    return f"under --root the runtime's own programs are asked, never this machine's: {looked}"
 
 
 def plan_remove(host: Host, runtime: str, opts: ConfigureOptions) -> RuntimePlan:
@@ -285,8 +298,27 @@ class Outcome:
 
 def will_restart(host: Host, plan: RuntimePlan, restart: bool) -> bool:
     """Whether apply() restarts the runtime: it changes files, or it changed them before and the runtime
-    has not been restarted since (the record knows)."""
-    return restart and bool(plan.pending or plan.runtime in records.load(host).restart_pending)
+    has not been restarted since (the record knows). Never under --root: see restart_elsewhere()."""
+    return (
+        restart
+        and host.commands_reach_root
+        and bool(plan.pending or plan.runtime in records.load(host).restart_pending)
+    )
+
+
+def restart_elsewhere(host: Host, plan: RuntimePlan) -> str | None:
+    """The restart as a next step, when it is the system under --root that must run it (None otherwise).
+
+    Under --root R, `systemctl restart` here would restart THIS machine's runtime, which does not read R's
+    files: nothing that acts runs here, the restart is the operator's to run where R is the live root.
+    """
+    if host.commands_reach_root or not (plan.pending or plan.runtime in records.load(host).restart_pending):
+        return None
+    unit = plan.unit or f"{plan.runtime}.service"
+    return (
+        f"under --root {host.root} gpunode restarts nothing on this machine (its {unit} does not read these "
+        f"files): once {host.root} is the running system, run `systemctl restart {unit}` there"
+    )
 
 
 def verify_effective(host: Host, plan: RuntimePlan) -> str | None:
@@ -360,7 +392,10 @@ def apply(
         )
     pending = plan.pending
     # --restart restarts a runtime gpunode changed and never restarted, even with nothing left to write.
-    do_restart = restart and bool(pending or plan.runtime in old_records.restart_pending)
+    # Under --root the runtime that reads these files is not this machine's: never restarted from here.
+    do_restart = (
+        restart and host.commands_reach_root and bool(pending or plan.runtime in old_records.restart_pending)
+    )
     if plan.revert and not new_records.for_runtime(plan.runtime):
         # Nothing of gpunode's is left for the runtime to read; without a restart now, the operator is told
         # to restart it, as after any change gpunode does not restart for.
@@ -370,6 +405,7 @@ def apply(
     if not pending and new_records == old_records and not do_restart:
         return outcome
     done: list[FileChange] = []
+    restarting = False
     try:
         if plan.revert:
             for change in pending:
@@ -394,13 +430,19 @@ def apply(
             # Before a restart: containerd must read what was written, or the files go back.
             outcome.verified = verify_effective(host, plan)
         if do_restart:
+            restarting = True
             service.restart(host, plan)
             outcome.restarted = service.wait_until_ready(host, plan, timeout=ready_timeout)
-    except (GpunodeError, OSError) as exc:
+    except BaseException as exc:
+        # Whatever stops the change half-way — gpunode's own errors, the OS, a bug, Ctrl-C — the files go
+        # back first: a node is never left with a configuration its runtime did not come back with.
         if isinstance(exc, ConcurrentChange) and done:
             done.pop()  # refused before its rename: that file is the other program's, not gpunode's
         restored = _roll_back(host, done, old_records, fresh, plan.runtime)
-        if do_restart and done and isinstance(exc, CommandFailed):
+        if not isinstance(exc, Exception):
+            raise  # Ctrl-C (KeyboardInterrupt), SystemExit: rolled back, and still what they were
+        if restarting and done and not isinstance(exc, ConcurrentChange):
+            # The runtime was restarted (or was being restarted) on the new files: start it on the old.
             try:
                 service.restart(host, plan)
                 restored = restored.rstrip(".") + f", and restarted {plan.unit} with it."
@@ -410,7 +452,16 @@ def apply(
             exc.message += f"\n{restored}"
             exc.changed = "could not put back" in restored  # what --json reports as changed
             raise
-        raise CommandFailed(f"writing the configuration failed: {exc}\n{restored}") from exc
+        if isinstance(exc, OSError):
+            raise CommandFailed(f"writing the configuration failed: {exc}\n{restored}") from exc
+        # A bug in gpunode (an exception it did not foresee): the node is already safe, so the operator
+        # gets what happened to the files and exit 8, not a bare internal error; --debug shows the cause.
+        failed = CommandFailed(
+            f"configuring {plan.runtime} failed ({type(exc).__name__}: {exc})\n{restored}",
+            "this is a bug in gpunode: run the command again with --debug for the traceback and report it",
+        )
+        failed.changed = "could not put back" in restored
+        raise failed from exc
     if do_restart:
         new_records.restart_pending.discard(plan.runtime)
         records.save(host, new_records)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import PurePosixPath
 from typing import Any
 
-from gpunode.errors import CommandFailed, ConfigError
+from gpunode.errors import ConfigError
 from gpunode.host import Host
 from gpunode.runtimes.edits import plain, read_toml
 from gpunode.runtimes.model import DEFAULT_NVIDIA_RUNTIME_NAME, RuntimeConfigState
@@ -159,11 +159,13 @@ def parse_containerd_version(output: str) -> tuple[int, int] | None:
 
 
 def installed_containerd_version(host: Host) -> tuple[int, int] | None:
-    try:
-        result = host.run(["containerd", "--version"], timeout=VERSION_TIMEOUT)
-    except CommandFailed:
-        return None
-    return parse_containerd_version(result.stdout) if result.ok else None
+    """The version of the containerd that reads the files; None when unknown. Under --root, R's own
+    containerd is asked, never this machine's (gpunode.runtimes.probe); with none there, callers choose
+    what every version reads (a config version 2 for an empty file)."""
+    from gpunode.runtimes import probe
+
+    result, _ = probe.run(host, "containerd", ["--version"], timeout=VERSION_TIMEOUT)
+    return parse_containerd_version(result.stdout) if result is not None and result.ok else None
 
 
 def installed_containerd_major(host: Host) -> int | None:

@@ -530,6 +530,9 @@ def effective_config(
     binary = host.which("crio")
     if binary is None:
         return None
+    if not host.commands_reach_root:
+        # Under --root, R's own crio judges R's files (this machine's may be another release, or none).
+        binary = str(host.path(binary))
     if planned is None:
         argv = [
             binary,

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from pathlib import PurePosixPath
 from typing import Any
 
-from gpunode.errors import CommandFailed, ConfigError
+from gpunode.errors import ConfigError
 from gpunode.host import Host
 from gpunode.runtimes.model import DEFAULT_NVIDIA_RUNTIME_NAME, RuntimeConfigState
 
@@ -141,14 +141,23 @@ def parse_dockerd_version(output: str) -> tuple[int, int] | None:
 
 
 def installed_dockerd_version(host: Host) -> tuple[int, int] | None:
-    """The version of the dockerd that reads daemon.json; None when there is none or it does not say."""
-    if host.which("dockerd") is None:
+    """The version of the dockerd that reads daemon.json; None when there is none or it does not say.
+    Under --root, R's own dockerd is asked, never this machine's (gpunode.runtimes.probe)."""
+    from gpunode.runtimes import probe
+
+    if host.commands_reach_root and host.which("dockerd") is None:
         return None
-    try:
-        result = host.run(["dockerd", "--version"], timeout=VERSION_TIMEOUT)
-    except CommandFailed:
-        return None
-    return parse_dockerd_version(result.stdout) if result.ok else None
+    result, _ = probe.run(host, "dockerd", ["--version"], timeout=VERSION_TIMEOUT)
+    return parse_dockerd_version(result.stdout) if result is not None and result.ok else None
+
+
+def dockerd_unknown_under_root(host: Host) -> bool:
+    """True under --root when R has no dockerd to ask: its version and --validate are unknown. gpunode then
+    judges the file as the newest dockerd it knows does (and says so), instead of refusing what a current
+    dockerd accepts (a BOM, keys 20.10 does not know)."""
+    from gpunode.runtimes import probe
+
+    return not host.commands_reach_root and probe.locate(host, "dockerd").argv is None
 
 
 def bom_problem(text: str, path: str, dockerd: tuple[int, int] | None) -> str | None:

@@ -5,13 +5,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from gpunode.errors import ConfigError, GpunodeError, UsageError
+from gpunode.errors import ConfigError, UsageError
 from gpunode.host import Host
 from gpunode.runtimes import docker
 from gpunode.runtimes.edits import Editor, JsonFormat
 from gpunode.runtimes.plan import ConfigureOptions, FileChange, RuntimePlan
 
 UNIT = "docker.service"
+# The newest dockerd gpunode is tested with (26 and 28): what a file is judged by when R has no dockerd.
+NEWEST_DOCKERD = (28, 0)
 SOCKET = "/var/run/docker.sock"
 
 # daemon.json directives dockerd 20.10-22 knows: its flags, under their plural names where a flag takes a
@@ -120,10 +122,10 @@ def plan_docker(host: Host, opts: ConfigureOptions) -> RuntimePlan:
     text = host.read_text_if_exists(path)
     doc = fmt.parse(text or "", path)
     bom, body = docker.split_bom(text or "")
-    _refuse_what_dockerd_refuses(host, text, doc, path, opts)
+    messages: list[str] = []
+    _refuse_what_dockerd_refuses(host, text, doc, path, opts, messages=messages)
 
     editor = Editor(fmt, doc)
-    messages: list[str] = []
     entry = docker.configured_runtimes(doc, path).get(opts.runtime_name)
     if entry is None:
         # Only what dockerd reads: `path` (its `runtimeArgs` would be the arguments; nvidia-ctk's `"args": []`
@@ -157,7 +159,13 @@ def plan_docker(host: Host, opts: ConfigureOptions) -> RuntimePlan:
 
 
 def _refuse_what_dockerd_refuses(
-    host: Host, text: str | None, doc: Mapping[str, Any], path: str, opts: ConfigureOptions
+    host: Host,
+    text: str | None,
+    doc: Mapping[str, Any],
+    path: str,
+    opts: ConfigureOptions,
+    *,
+    messages: list[str],
 ) -> None:
     """A file dockerd would not start with is the user's to fix: gpunode does not guess what was meant.
 
@@ -167,16 +175,27 @@ def _refuse_what_dockerd_refuses(
     # Which dockerd reads the file decides about a BOM and about shim keys next to a path; it is asked only
     # then (one process fewer on the common path).
     runtimes = docker.configured_runtimes(doc, path)
+    unknown_keys = [key for key in doc if key not in KNOWN_DIRECTIVES]
     dockerd = docker.installed_dockerd_version(host) if bom or docker.path_and_shim(runtimes) else None
+    if docker.dockerd_unknown_under_root(host) and (bom or docker.path_and_shim(runtimes) or unknown_keys):
+        # No dockerd in R to ask: judged as the newest dockerd gpunode knows, so that a file a current
+        # dockerd takes (a BOM, keys 20.10 lacks) is not refused on a guess; the operator is told.
+        dockerd = NEWEST_DOCKERD
+        messages.append(
+            f"dockerd's version is unknown (no dockerd in {host.root}): {path} was judged as dockerd "
+            f"{NEWEST_DOCKERD[0]} reads it (a byte order mark kept, keys not checked by "
+            "`dockerd --validate`); "
+            "dockerd 20.10-22 would refuse a BOM or keys they do not know"
+        )
     # An empty file is one gpunode repairs, so it is judged as {} (with the BOM it had, if any).
     problems = docker.startup_problems(text if text and body.strip() else bom + "{}", doc, path, dockerd)
     default = docker.default_runtime(doc, path)
     problems = [p for p in problems if not (default == opts.runtime_name and f'"{default}"' in p)]
     docker.cdi_enabled(doc, path)  # raises on a `features` that is not an object
-    unknown = [key for key in doc if key not in KNOWN_DIRECTIVES]
-    if unknown and not _dockerd_accepts(host, path):
+    if unknown_keys and not docker.dockerd_unknown_under_root(host) and not _dockerd_accepts(host, path):
         problems.append(
-            f"{path} has key(s) dockerd does not know: {', '.join(unknown)}; dockerd refuses to start with it"
+            f"{path} has key(s) dockerd does not know: {', '.join(unknown_keys)}; dockerd refuses to start "
+            "with it"
         )
     if problems:
         fix = f"correct {path} first (gpunode left it untouched), then run the command again"
@@ -206,11 +225,11 @@ def _refuse_shim_entry(entry: Mapping[str, Any], path: str, opts: ConfigureOptio
 
 
 def _dockerd_accepts(host: Host, path: str) -> bool:
-    """Ask dockerd itself (23 and later have --validate) whether it accepts the file's keys."""
-    if host.which("dockerd") is None:
+    """Ask dockerd itself (23 and later have --validate) whether it accepts the file's keys: under --root,
+    R's own dockerd (gpunode.runtimes.probe)."""
+    from gpunode.runtimes import probe
+
+    if host.commands_reach_root and host.which("dockerd") is None:
         return False
-    try:
-        result = host.run(["dockerd", "--validate", "--config-file", str(host.path(path))], timeout=15)
-    except GpunodeError:
-        return False
-    return result.ok
+    result, _ = probe.run(host, "dockerd", ["--validate", "--config-file", str(host.path(path))], timeout=15)
+    return result is not None and result.ok

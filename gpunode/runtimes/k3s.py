@@ -29,10 +29,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gpunode.errors import CommandFailed, ConfigError, NotFound
+from gpunode.errors import ConfigError, NotFound
 from gpunode.host import Host
 from gpunode.runtimes import containerd as ctd
-from gpunode.runtimes import records
+from gpunode.runtimes import probe, records
 from gpunode.runtimes.containerd_editor import SOCKETS, unit_for
 from gpunode.runtimes.edits import Edit, Editor, TomlFormat, new_toml_document
 from gpunode.runtimes.plan import ConfigureOptions, FileChange, RuntimePlan
@@ -106,22 +106,15 @@ def has_base_template(release: tuple[int, int, int]) -> bool:
 
 
 def installed_release(host: Host, flavour: str) -> tuple[int, int, int] | None:
-    try:
-        result = host.run([flavour, "--version"], timeout=VERSION_TIMEOUT)
-    except CommandFailed:
-        return None
-    return parse_release(result.stdout) if result.ok else None
+    """`k3s --version` / `rke2 --version`; under --root R's own binary, never this machine's."""
+    result, _ = probe.run(host, flavour, ["--version"], timeout=VERSION_TIMEOUT)
+    return parse_release(result.stdout) if result is not None and result.ok else None
 
 
 def embedded_containerd(host: Host, flavour: str) -> tuple[int, int] | None:
-    binary = EMBEDDED_CONTAINERD[flavour]
-    if not host.is_file(binary):
-        return None
-    try:
-        result = host.run([binary, "--version"], timeout=VERSION_TIMEOUT)
-    except CommandFailed:
-        return None
-    return ctd.parse_containerd_version(result.stdout) if result.ok else None
+    """The embedded containerd's version, run from its path in the root (under --root: R's binary)."""
+    result, _ = probe.run(host, EMBEDDED_CONTAINERD[flavour], ["--version"], timeout=VERSION_TIMEOUT)
+    return ctd.parse_containerd_version(result.stdout) if result is not None and result.ok else None
 
 
 def imported_dropin_dir(doc: Mapping[str, Any], directory: str) -> str | None:
@@ -393,17 +386,26 @@ def _template_entry(
                 "out --cdi",
             )
     if own is not None and own_binary == opts.runtime_path:
-        messages.append(
-            f'{flavour} already adds the "{opts.runtime_name}" runtime itself ({own_binary}): nothing to add'
-        )
         if (
             reference.get("SystemdCgroup") is True
             and ctd.runtime_options(own).get("SystemdCgroup") is not True
         ):
-            messages.append(
-                f'{flavour}\'s "{opts.runtime_name}" runtime lacks SystemdCgroup = true while runc has it: '
-                f"upgrade {flavour} (current releases write it), as pods are killed on systemd-cgroup nodes"
+            # "Already configured" would be a success the node does not have: pods on this runtime get
+            # the cgroupfs driver on a systemd-cgroup node, and kubelet kills them. A template cannot
+            # repair k3s's own table (it would define it twice), so gpunode says how instead.
+            raise ConfigError(
+                f'{flavour} {_release_text(layout)} adds the "{opts.runtime_name}" runtime itself without '
+                "SystemdCgroup = true while runc has it: on this systemd-cgroup node its pods would be "
+                "killed, and a template cannot add the option to a table k3s writes",
+                f"upgrade {flavour} to a release whose nvidia runtime copies runc's SystemdCgroup (or to one "
+                "that imports config-v3.toml.d, where gpunode adds the option), or let gpunode write its own "
+                f"runtime in a template under another name: `gpunode configure-runtime containerd "
+                f"--runtime-name {opts.runtime_name}-systemd` (then use that name as the RuntimeClass "
+                "handler)",
             )
+        messages.append(
+            f'{flavour} already adds the "{opts.runtime_name}" runtime itself ({own_binary}): nothing to add'
+        )
         return None
     if own is not None:
         raise ConfigError(

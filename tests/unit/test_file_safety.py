@@ -346,6 +346,7 @@ def test_a_run_killed_between_the_rename_and_the_restart_is_detected(
         raise KeyboardInterrupt  # the process dies right after the rename, before systemctl ran
 
     monkeypatch.setattr(service, "restart", killed)
+    monkeypatch.setattr(configure, "_roll_back", killed)  # a killed process puts nothing back
     assert cli(host, "docker", "--set-as-default", "--restart", "--yes") == ExitCode.INTERRUPTED
     assert b"nvidia" in local(tmp_path, DAEMON_JSON).read_bytes()
     monkeypatch.undo()

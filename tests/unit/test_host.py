@@ -160,6 +160,19 @@ def test_subprocess_runner_uses_argument_lists_and_reports_failures() -> None:
         runner.run(["sleep", "5"], timeout=0.2)
 
 
+def test_output_that_is_not_utf8_is_decoded_tolerantly(tmp_path: Path) -> None:
+    # journalctl prints a unit's log as it was written (a Latin-1 byte, a cut multi-byte character): the
+    # runner must hand it over, not fail while gpunode is in the middle of a change.
+    program = tmp_path / "prints-ff"
+    program.write_text("#!/bin/sh\nprintf 'caf\\351 \\377\\n'\nprintf '\\377' >&2\n")
+    program.chmod(0o755)
+    result = SubprocessRunner().run([str(program)], timeout=10)
+    assert result.ok and result.stdout == "caf\ufffd \ufffd\n" and result.stderr == "\ufffd"
+    seen: list[str] = []
+    streamed = Host(runner=SubprocessRunner()).stream([str(program)], timeout=10, on_line=seen.append)
+    assert streamed.ok and "caf\ufffd \ufffd" in seen
+
+
 def test_scripted_runner_answers_by_longest_prefix() -> None:
     runner = ScriptedRunner()
     runner.answer(["systemctl"], stdout="generic")

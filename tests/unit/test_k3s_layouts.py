@@ -423,3 +423,25 @@ def test_drop_in_is_added_to_by_a_later_run(tmp_path: Path) -> None:
     assert dropin.read_text().startswith(first.split("\n", 1)[0])
     revert(host)  # however many runs added to it, the node is as it was
     assert files_under(tmp_path) == before
+
+
+def test_k3s_own_nvidia_runtime_without_systemd_cgroup_is_not_already_configured(tmp_path: Path) -> None:
+    # An older k3s wrote its nvidia runtime without SystemdCgroup while runc has it: pods would be killed.
+    generated = fixture("v2-k3s-v1.28-nvidia.toml")
+    nvidia_options = '[plugins."io.containerd.grpc.v1.cri".containerd.runtimes."nvidia".options]\n'
+    nvidia_binary = '  BinaryName = "/usr/bin/nvidia-container-runtime"\n'
+    without = generated.replace(
+        nvidia_options + nvidia_binary + "  SystemdCgroup = true\n", nvidia_options + nvidia_binary
+    )
+    assert without != generated
+    host, _ = node(tmp_path, without, K3S_1_28)
+    before = files_under(tmp_path)
+    with pytest.raises(ConfigError, match='adds the "nvidia" runtime itself without SystemdCgroup') as raised:
+        plan_configure(host, "containerd", ConfigureOptions())
+    fix = raised.value.fix or ""
+    assert "upgrade k3s" in fix and "--runtime-name nvidia-systemd" in fix
+    assert files_under(tmp_path) == before
+    # The way out it names works: a runtime of another name, in gpunode's template, with SystemdCgroup.
+    plan = configure(host, runtime_name="nvidia-systemd")
+    assert [c.path for c in plan.pending] == [containerd.K3S_TEMPLATE]
+    assert "SystemdCgroup = true" in (tmp_path / containerd.K3S_TEMPLATE.lstrip("/")).read_text()
