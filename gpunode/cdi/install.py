@@ -24,7 +24,6 @@ no longer selects GPUs; only what it was allocated (CDI, volume mounts) does.
 
 from __future__ import annotations
 
-import shlex
 from dataclasses import dataclass, field
 
 from gpunode.cdi.check import ENVVAR_KEY, TOOLKIT_CONFIG, envvar_setting
@@ -32,6 +31,7 @@ from gpunode.cdi.generate import GenerateOptions, default_output
 from gpunode.cdi.hostfacts import LD_CACHE
 from gpunode.errors import ConfigError, GpunodeError
 from gpunode.host import Host
+from gpunode.systemd.unitsyntax import check_value, exec_start, path_setting
 
 SERVICE = "gpunode-cdi.service"
 PATH_UNIT = "gpunode-cdi.path"
@@ -64,25 +64,29 @@ class InstallPlan:
 
 
 def generate_argv(executable: str, options: GenerateOptions) -> list[str]:
-    argv = [executable, "cdi", "generate"]
+    return [executable, *(word for pair in _generate_options(options) for word in pair)]
+
+
+def _generate_options(options: GenerateOptions) -> list[tuple[str, str]]:
+    """The options of the unit's `gpunode cdi generate`, each with its value."""
+    given: list[tuple[str, str]] = [("cdi", "generate")]
     if options.kind != GenerateOptions().kind:
-        argv += ["--kind", options.kind]
+        given.append(("--kind", options.kind))
     if options.driver_root != "/":
-        argv += ["--driver-root", options.driver_root]
+        given.append(("--driver-root", options.driver_root))
     if options.dev_root:
-        argv += ["--dev-root", options.dev_root]
+        given.append(("--dev-root", options.dev_root))
     if options.output and options.output != default_output(options.kind):
-        argv += ["--output", options.output]
+        given.append(("--output", options.output))
     if options.hook_program:
-        argv += ["--hook-program", options.hook_program]
-    return argv
+        given.append(("--hook-program", options.hook_program))
+    return given
 
 
 def render_service(executable: str, options: GenerateOptions) -> str:
-    from gpunode.systemd.service import exec_path
-
-    argv = generate_argv(executable, options)
-    command = " ".join([exec_path(argv[0]), *(shlex.quote(a) for a in argv[1:])])
+    for option, value in _generate_options(options):
+        check_value(option, value)  # refused naming the option it came from
+    command = exec_start(executable, generate_argv(executable, options)[1:])
     return (
         "# Written by `gpunode cdi install`: regenerates gpunode's CDI spec (a run that finds nothing\n"
         "# changed writes nothing). Started at boot, and by gpunode-cdi.path when the linker cache changes.\n"
@@ -104,7 +108,7 @@ def render_service(executable: str, options: GenerateOptions) -> str:
 
 
 def render_path_unit(options: GenerateOptions) -> str:
-    cache = options.roots.driver(LD_CACHE)
+    cache = path_setting("--driver-root", options.roots.driver(LD_CACHE))
     return (
         "# Written by `gpunode cdi install`: a driver package runs ldconfig after installing its libraries,\n"
         "# which replaces the linker cache; the CDI spec is then regenerated.\n"

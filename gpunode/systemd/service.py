@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import stat
 import sys
 import time
@@ -21,10 +20,11 @@ from importlib import resources
 from pathlib import Path
 
 from gpunode import paths
-from gpunode.errors import CommandFailed, ConfigError, GpunodeError, NotFound, PermissionDenied, UsageError
+from gpunode.errors import CommandFailed, ConfigError, NotFound, PermissionDenied
 from gpunode.host import Host
 from gpunode.plugin import statusfile
 from gpunode.services import journal_tail
+from gpunode.systemd.unitsyntax import absolute_path, exec_start
 
 UNIT = paths.PLUGIN_SERVICE
 UNIT_PATH = f"/etc/systemd/system/{UNIT}"
@@ -124,34 +124,6 @@ _HIDING = {
 }
 
 
-# What may stand in an ExecStart= program path unquoted: anything else (a space, `;`, `%`) is quoted.
-_PLAIN_PATH = re.compile(r"[A-Za-z0-9/._+:,=~@-]+")
-
-
-def exec_path(executable: str) -> str:
-    """The program path as an ExecStart= word that systemd reads back as exactly `executable`.
-
-    systemd.service "Command lines" / systemd.syntax "Quoting", checked against systemd 252's parser
-    (`systemd-analyze verify`, see the tests): the word is unquoted as in a shell-like syntax (double quotes
-    keep spaces; C escapes inside them), then `%` specifiers are expanded, in the program path too, so `%`
-    is written `%%`. `$VAR` is not expanded in the program path (only in arguments), so `$` stays as is.
-    Control characters (a newline would end the setting and start another), `"`, `'` and `\\` are
-    refused by systemd in a program path whatever the quoting ("Executable name contains special
-    characters"): such a path is an error here, before anything is written.
-    """
-    bad = sorted({c for c in executable if c in "\"'\\" or not c.isprintable()})
-    if bad or not executable.startswith("/"):
-        what = "is not an absolute path" if not bad else "contains " + ", ".join(repr(c) for c in bad)
-        raise GpunodeError(
-            f"cannot run gpunode from {executable!r} under systemd: the path {what}, which a unit's "
-            "ExecStart= cannot name",
-            "install gpunode under a plain absolute path (./install.sh puts it in /usr/local), then run "
-            "this again",
-        )
-    escaped = executable.replace("%", "%%")
-    return escaped if _PLAIN_PATH.fullmatch(executable) else f'"{escaped}"'
-
-
 def _under(path: str, prefixes: Iterable[str]) -> list[str]:
     """The prefixes that are the path or a directory above it."""
     return [p for p in prefixes if path == p or path.startswith(p + "/")]
@@ -159,7 +131,7 @@ def _under(path: str, prefixes: Iterable[str]) -> list[str]:
 
 def render_unit(executable: str) -> str:
     template = resources.files("gpunode.templates").joinpath(UNIT).read_text(encoding="utf-8")
-    text = template.replace("@GPUNODE@", exec_path(executable))
+    text = template.replace("@EXEC_START@", exec_start(executable, ["plugin", "run"]))
     for option, prefixes in _HIDING.items():
         hidden_under = _under(executable, prefixes)
         if hidden_under:
@@ -173,16 +145,12 @@ def render_unit(executable: str) -> str:
 def render_doctor_units(executable: str, directory: str) -> tuple[str, str]:
     """The oneshot service and its timer that write DIR/gpunode_doctor.prom (node_exporter's
     --collector.textfile.directory)."""
-    if not directory.startswith("/") or not _PLAIN_PATH.fullmatch(directory):
-        raise UsageError(
-            f"--doctor-metrics {directory!r}: not an absolute path of plain characters",
-            "give node_exporter's --collector.textfile.directory, e.g. "
-            "/var/lib/node_exporter/textfile_collector",
-        )
+    directory = absolute_path("--doctor-metrics", directory)
     templates = resources.files("gpunode.templates")
     target = directory.rstrip("/") + "/" + DOCTOR_FILE
     unit = templates.joinpath(DOCTOR_SERVICE).read_text(encoding="utf-8")
-    unit = unit.replace("@GPUNODE@", exec_path(executable)).replace("@FILE@", target)
+    command = exec_start(executable, ["doctor", "--prometheus", target])
+    unit = unit.replace("@EXEC_START@", command)
     return unit, templates.joinpath(DOCTOR_TIMER).read_text(encoding="utf-8")
 
 
