@@ -31,6 +31,7 @@ from gpunode.cdi.generate import GenerateOptions, default_output
 from gpunode.cdi.hostfacts import LD_CACHE
 from gpunode.errors import ConfigError, GpunodeError
 from gpunode.host import Host
+from gpunode.systemd import enable
 from gpunode.systemd.unitsyntax import check_value, exec_start, path_setting
 
 SERVICE = "gpunode-cdi.service"
@@ -57,10 +58,14 @@ class InstallPlan:
     files: tuple[FileChange, ...]
     commands: tuple[tuple[str, ...], ...]
     notes: tuple[str, ...] = field(default=())
+    # Under --root (Host.offline): the units enabled by their links, and what is left to run on the system
+    # in the root (nothing runs on this machine). See gpunode.systemd.enable.
+    links: tuple[enable.Link, ...] = field(default=())
+    next_steps: tuple[tuple[str, ...], ...] = field(default=())
 
     @property
     def changed(self) -> bool:
-        return any(f.changed for f in self.files)
+        return any(f.changed for f in self.files) or any(link.changed for link in self.links)
 
 
 def generate_argv(executable: str, options: GenerateOptions) -> list[str]:
@@ -145,6 +150,17 @@ def plan_install(
         elif envvar_setting(old) is not False:
             files.append(FileChange(TOOLKIT_CONFIG, _with_envvar_off(old), old))
     commands: list[tuple[str, ...]] = []
+    if host.offline:
+        links = [
+            *enable.enable_links(host, SERVICE, files[0].content),
+            *enable.enable_links(host, PATH_UNIT, files[1].content),
+        ]
+        steps = (
+            ("systemctl", "daemon-reload"),
+            ("systemctl", "start", PATH_UNIT),
+            ("systemctl", "start", SERVICE),
+        )
+        return InstallPlan(tuple(files), (), tuple(notes), tuple(links), steps)
     if host.is_dir("/run/systemd/system"):
         commands = [
             ("systemctl", "daemon-reload"),
@@ -186,6 +202,7 @@ def apply_install(host: Host, plan: InstallPlan) -> None:
         host.write_file(
             change.path, change.content, mode=0o644, make_parents=True, backup_to=backup, expect=change.old
         )
+    enable.apply(host, plan.links)
     for argv in plan.commands:
         host.run(argv, timeout=SYSTEMCTL_TIMEOUT).check()
 
@@ -199,10 +216,12 @@ class UninstallPlan:
     restore: tuple[tuple[str, str], ...]  # (file, the original to put back): the toolkit's config
     commands: tuple[tuple[str, ...], ...]
     notes: tuple[str, ...] = field(default=())
+    links: tuple[enable.Link, ...] = field(default=())  # under --root: the units' links, removed
+    next_steps: tuple[tuple[str, ...], ...] = field(default=())
 
     @property
     def changes_nothing(self) -> bool:
-        return not self.remove and not self.restore
+        return not self.remove and not self.restore and not self.links
 
 
 def plan_uninstall(host: Host, options: GenerateOptions) -> UninstallPlan:
@@ -240,6 +259,11 @@ def plan_uninstall(host: Host, options: GenerateOptions) -> UninstallPlan:
                 f"(the original is in {backup})"
             )
     commands: list[tuple[str, ...]] = []
+    if host.offline:
+        gone = [unit.rsplit("/", 1)[1] for unit in units if unit in remove]
+        links = tuple(link for unit in gone for link in enable.disable_links(host, unit))
+        steps = (("systemctl", "stop", *gone), ("systemctl", "daemon-reload")) if gone else ()
+        return UninstallPlan(tuple(remove), tuple(restore), (), tuple(notes), links, steps)
     if any(u in remove for u in units):
         if host.is_dir("/run/systemd/system"):
             commands = [("systemctl", "disable", "--now", PATH_UNIT, SERVICE), ("systemctl", "daemon-reload")]
@@ -254,6 +278,7 @@ def apply_uninstall(host: Host, plan: UninstallPlan) -> None:
     for argv in plan.commands:
         if argv != reload_cmd:
             host.run(argv, timeout=SYSTEMCTL_TIMEOUT).check()
+    enable.apply(host, plan.links)
     for path in plan.remove:
         host.remove_file(path)
     for path, original in plan.restore:

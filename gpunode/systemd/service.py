@@ -24,6 +24,7 @@ from gpunode.errors import CommandFailed, ConfigError, NotFound, PermissionDenie
 from gpunode.host import Host
 from gpunode.plugin import statusfile
 from gpunode.services import journal_tail
+from gpunode.systemd import enable
 from gpunode.systemd.unitsyntax import absolute_path, exec_start
 
 UNIT = paths.PLUGIN_SERVICE
@@ -74,10 +75,19 @@ class ServicePlan:
     remove: tuple[str, ...] = ()  # files to delete (uninstall)
     wait_ready: bool = False
     notes: tuple[str, ...] = ()
+    # Under --root (Host.offline): the units enabled or disabled by their links, and what is left for the
+    # operator to run on the system in the root (nothing runs on this machine).
+    links: tuple[enable.Link, ...] = ()
+    next_steps: tuple[tuple[str, ...], ...] = ()
 
     @property
     def changes_nothing(self) -> bool:
-        return not any(f.changed for f in self.files) and not self.commands and not self.remove
+        return (
+            not any(f.changed for f in self.files)
+            and not self.commands
+            and not self.remove
+            and not any(link.changed for link in self.links)
+        )
 
 
 @dataclass
@@ -219,6 +229,8 @@ def plan_install(
             _planned_file(host, f"/etc/systemd/system/{DOCTOR_SERVICE}", doctor_unit),
             _planned_file(host, f"/etc/systemd/system/{DOCTOR_TIMER}", timer),
         ]
+    if host.offline:
+        return _plan_install_offline(host, files, doctor_files, start=start, executable=executable)
     state = service_state(host)
     commands: list[tuple[str, ...]] = []
     unit_changed = files[0].changed
@@ -239,12 +251,43 @@ def plan_install(
             commands.append(("systemctl", "restart", "--no-block", UNIT))
         elif config_changed:
             commands.append(("systemctl", "reload", UNIT))  # SIGHUP: the plugin re-reads its config
-    notes = tuple(
+    return ServicePlan(tuple(files), tuple(commands), wait_ready=start, notes=_notes(executable))
+
+
+def _notes(executable: str) -> tuple[str, ...]:
+    return tuple(
         f"{option} is off in the unit: {executable} lies in a directory it would hide; install gpunode "
         "under /usr/local or /opt to keep it"
         for option in hardening_relaxed(executable)
     )
-    return ServicePlan(tuple(files), tuple(commands), wait_ready=start, notes=notes)
+
+
+def _plan_install_offline(
+    host: Host, files: list[FileWrite], doctor_files: list[FileWrite], *, start: bool, executable: str
+) -> ServicePlan:
+    """Under --root: the files written into the root, the units enabled by their links there, and the
+    rest — reload, start — left as next steps for the system in the root (nothing runs here)."""
+    unit, config = files[0], (files[1] if len(files) > 1 else None)
+    links = enable.enable_links(host, UNIT, unit.content)
+    steps: list[tuple[str, ...]] = []
+    if unit.changed or any(f.changed for f in doctor_files):
+        steps.append(("systemctl", "daemon-reload"))
+    if doctor_files:
+        links += enable.enable_links(host, DOCTOR_TIMER, doctor_files[1].content)
+        if any(f.changed for f in doctor_files):
+            steps.append(("systemctl", "start", DOCTOR_TIMER))
+    if start:
+        # Whether the plugin runs there now is not known from here: a unit that was there is taken to be
+        # running (a restart or a reload applies the change), a new one to be started.
+        if unit.before is None:
+            steps.append(("systemctl", "start", UNIT))
+        elif unit.changed:
+            steps.append(("systemctl", "restart", UNIT))
+        elif config is not None and config.changed:
+            steps.append(("systemctl", "reload", UNIT))
+    files += doctor_files
+    notes = _notes(executable)
+    return ServicePlan(tuple(files), (), notes=notes, links=tuple(links), next_steps=tuple(steps))
 
 
 # Where the unit's own hardening puts a private or read-only view (ProtectSystem=full: /usr, /boot, /etc).
@@ -322,8 +365,11 @@ def apply_install(
         record[f.path] = _digest(f.content)
     host.make_dirs(os.path.dirname(RECORD_PATH))
     host.write_file(RECORD_PATH, json.dumps(record, indent=2, sort_keys=True) + "\n", mode=0o644)
+    enable.apply(host, plan.links)
     for argv in plan.commands:
         host.run(list(argv), timeout=SYSTEMCTL_TIMEOUT).check()
+    if host.offline:
+        return ServiceState()  # this machine's systemd knows nothing of the root's units: not asked
     if not plan.wait_ready:
         return service_state(host)
     return wait_until_active(host, timeout=timeout, sleep=sleep)
@@ -365,6 +411,17 @@ def plan_uninstall(host: Host) -> ServicePlan:
             remove.append(path)
         else:
             notes.append(f"{path} was changed after gpunode wrote it; left in place")
+    if not record and host.exists(UNIT_PATH):
+        notes.append(f"{UNIT_PATH} was not installed by gpunode (no record); left in place")
+    if host.offline:
+        # Under --root: the links to the units removed go with them (what `systemctl disable` removes);
+        # stopping and reloading are for the system in the root, if it runs.
+        gone = [
+            os.path.basename(p) for p in remove if p in (UNIT_PATH, f"/etc/systemd/system/{DOCTOR_TIMER}")
+        ]
+        links = tuple(link for unit in gone for link in enable.disable_links(host, unit))
+        steps = (("systemctl", "stop", *gone), ("systemctl", "daemon-reload")) if gone else ()
+        return ServicePlan((), (), remove=tuple(remove), notes=tuple(notes), links=links, next_steps=steps)
     state = service_state(host)
     commands: list[tuple[str, ...]] = []
     if state.active not in ("inactive", "unknown") or state.enabled:
@@ -373,8 +430,6 @@ def plan_uninstall(host: Host) -> ServicePlan:
         commands.append(("systemctl", "disable", "--now", DOCTOR_TIMER))
     if UNIT_PATH in remove or f"/etc/systemd/system/{DOCTOR_TIMER}" in remove:
         commands.append(("systemctl", "daemon-reload"))
-    if not record and host.exists(UNIT_PATH):
-        notes.append(f"{UNIT_PATH} was not installed by gpunode (no record); left in place")
     return ServicePlan((), tuple(commands), remove=tuple(remove), notes=tuple(notes))
 
 
@@ -384,6 +439,7 @@ def apply_uninstall(host: Host, plan: ServicePlan) -> None:
     for argv in plan.commands:
         if argv != reload_cmd:
             host.run(list(argv), timeout=SYSTEMCTL_TIMEOUT).check()
+    enable.apply(host, plan.links)
     for path in plan.remove:
         host.remove_file(path)
     if reload_cmd in plan.commands:
