@@ -20,7 +20,7 @@ from importlib import resources
 from pathlib import Path
 
 from gpunode import paths
-from gpunode.errors import CommandFailed, ConfigError, NotFound, PermissionDenied
+from gpunode.errors import CommandFailed, ConfigError, GpunodeError, NotFound, PermissionDenied
 from gpunode.host import Host
 from gpunode.plugin import statusfile
 from gpunode.services import journal_tail
@@ -355,24 +355,34 @@ def apply_install(
     sleep: Callable[[float], None] = time.sleep,
 ) -> ServiceState:
     require_root(host, "plugin install")
-    record = _read_record(host)
-    for f in plan.files:
-        if f.changed:
-            backup = f"{BACKUP_DIR}{f.path}" if f.before is not None and f.path not in record else None
-            host.write_file(
-                f.path, f.content, mode=f.mode, backup_to=backup, make_parents=True, exact_mode=True
-            )
-        record[f.path] = _digest(f.content)
-    host.make_dirs(os.path.dirname(RECORD_PATH))
-    host.write_file(RECORD_PATH, json.dumps(record, indent=2, sort_keys=True) + "\n", mode=0o644)
-    enable.apply(host, plan.links)
-    for argv in plan.commands:
-        host.run(list(argv), timeout=SYSTEMCTL_TIMEOUT).check()
-    if host.offline:
-        return ServiceState()  # this machine's systemd knows nothing of the root's units: not asked
-    if not plan.wait_ready:
-        return service_state(host)
-    return wait_until_active(host, timeout=timeout, sleep=sleep)
+    changed = False
+    try:
+        record = _read_record(host)
+        for f in plan.files:
+            if f.changed:
+                backup = f"{BACKUP_DIR}{f.path}" if f.before is not None and f.path not in record else None
+                host.write_file(
+                    f.path, f.content, mode=f.mode, backup_to=backup, make_parents=True, exact_mode=True
+                )
+                changed = True
+            record[f.path] = _digest(f.content)
+        host.make_dirs(os.path.dirname(RECORD_PATH))
+        host.write_file(RECORD_PATH, json.dumps(record, indent=2, sort_keys=True) + "\n", mode=0o644)
+        changed = changed or any(link.changed for link in plan.links)
+        enable.apply(host, plan.links)
+        for argv in plan.commands:
+            changed = True  # a systemctl command that fails may have acted all the same (enabled, started)
+            host.run(list(argv), timeout=SYSTEMCTL_TIMEOUT).check()
+        if host.offline:
+            return ServiceState()  # this machine's systemd knows nothing of the root's units: not asked
+        if not plan.wait_ready:
+            return service_state(host)
+        return wait_until_active(host, timeout=timeout, sleep=sleep)
+    except GpunodeError as err:
+        # The files written stay (a re-run finishes the install, uninstall removes them): the --json
+        # error document must say that the host changed.
+        err.changed = err.changed or changed
+        raise
 
 
 def wait_until_active(
