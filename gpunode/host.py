@@ -254,6 +254,13 @@ class Host:
         return self.is_real_root or not isinstance(self.runner, SubprocessRunner)
 
     @property
+    def offline(self) -> bool:
+        """The other side of commands_reach_root, where a step is skipped: under --root DIR with this
+        machine's programs as the runner, a command that acts (systemctl enable, start, a restart) would act
+        on this machine, not on the system in DIR, so none is run."""
+        return not self.commands_reach_root
+
+    @property
     def euid(self) -> int:
         return os.geteuid() if self._euid is None else self._euid
 
@@ -605,6 +612,44 @@ class Host:
         except OSError:  # gone already, or not empty (ENOTEMPTY): either way it stays as it is
             return False
         _fsync_directory(target.parent)
+        return True
+
+    def link_target(self, host_path: str) -> str | None:
+        """Where the symbolic link `host_path` points, as written in it; None when it is not a link."""
+        try:
+            link = self.path(host_path, follow_last=False)
+            return os.readlink(link) if link.is_symlink() else None
+        except (OSError, ConfigError):
+            return None
+
+    def make_symlink(self, host_path: str, target: str) -> bool:
+        """Create the symbolic link `host_path` -> `target` (a host path, as the system in the root will
+        read it: an enabled unit's link in a .wants/ directory), its directory too; durably. False when
+        that very link is there already; anything else in its place is an error, never replaced."""
+        if self.link_target(host_path) == target:
+            return False
+        self.make_dirs(str(PurePosixPath(host_path).parent))
+        link = self.path(host_path, follow_last=False)
+        try:
+            with _permission("create the link", host_path):
+                os.symlink(target, link)
+        except FileExistsError as exc:
+            raise ConfigError(
+                f"{host_path} exists and is not a link to {target}",
+                f"move {host_path} away, then run the command again",
+            ) from exc
+        _fsync_directory(link.parent)
+        return True
+
+    def remove_symlink(self, host_path: str, target: str) -> bool:
+        """Remove the symbolic link `host_path` only while it points at `target` (the link gpunode made, or
+        `systemctl enable` would make); durably. False when it is not that link."""
+        if self.link_target(host_path) != target:
+            return False
+        link = self.path(host_path, follow_last=False)
+        with _permission("remove the link", host_path):
+            link.unlink()
+        _fsync_directory(link.parent)
         return True
 
     def make_dirs(self, host_path: str, *, mode: int = 0o755) -> None:

@@ -24,7 +24,6 @@ no longer selects GPUs; only what it was allocated (CDI, volume mounts) does.
 
 from __future__ import annotations
 
-import shlex
 from dataclasses import dataclass, field
 
 from gpunode.cdi.check import ENVVAR_KEY, TOOLKIT_CONFIG, envvar_setting
@@ -32,6 +31,8 @@ from gpunode.cdi.generate import GenerateOptions, default_output
 from gpunode.cdi.hostfacts import LD_CACHE
 from gpunode.errors import ConfigError, GpunodeError
 from gpunode.host import Host
+from gpunode.systemd import enable
+from gpunode.systemd.unitsyntax import check_value, exec_start, path_setting
 
 SERVICE = "gpunode-cdi.service"
 PATH_UNIT = "gpunode-cdi.path"
@@ -57,32 +58,40 @@ class InstallPlan:
     files: tuple[FileChange, ...]
     commands: tuple[tuple[str, ...], ...]
     notes: tuple[str, ...] = field(default=())
+    # Under --root (Host.offline): the units enabled by their links, and what is left to run on the system
+    # in the root (nothing runs on this machine). See gpunode.systemd.enable.
+    links: tuple[enable.Link, ...] = field(default=())
+    next_steps: tuple[tuple[str, ...], ...] = field(default=())
 
     @property
     def changed(self) -> bool:
-        return any(f.changed for f in self.files)
+        return any(f.changed for f in self.files) or any(link.changed for link in self.links)
 
 
 def generate_argv(executable: str, options: GenerateOptions) -> list[str]:
-    argv = [executable, "cdi", "generate"]
+    return [executable, *(word for pair in _generate_options(options) for word in pair)]
+
+
+def _generate_options(options: GenerateOptions) -> list[tuple[str, str]]:
+    """The options of the unit's `gpunode cdi generate`, each with its value."""
+    given: list[tuple[str, str]] = [("cdi", "generate")]
     if options.kind != GenerateOptions().kind:
-        argv += ["--kind", options.kind]
+        given.append(("--kind", options.kind))
     if options.driver_root != "/":
-        argv += ["--driver-root", options.driver_root]
+        given.append(("--driver-root", options.driver_root))
     if options.dev_root:
-        argv += ["--dev-root", options.dev_root]
+        given.append(("--dev-root", options.dev_root))
     if options.output and options.output != default_output(options.kind):
-        argv += ["--output", options.output]
+        given.append(("--output", options.output))
     if options.hook_program:
-        argv += ["--hook-program", options.hook_program]
-    return argv
+        given.append(("--hook-program", options.hook_program))
+    return given
 
 
 def render_service(executable: str, options: GenerateOptions) -> str:
-    from gpunode.systemd.service import exec_path
-
-    argv = generate_argv(executable, options)
-    command = " ".join([exec_path(argv[0]), *(shlex.quote(a) for a in argv[1:])])
+    for option, value in _generate_options(options):
+        check_value(option, value)  # refused naming the option it came from
+    command = exec_start(executable, generate_argv(executable, options)[1:])
     return (
         "# Written by `gpunode cdi install`: regenerates gpunode's CDI spec (a run that finds nothing\n"
         "# changed writes nothing). Started at boot, and by gpunode-cdi.path when the linker cache changes.\n"
@@ -104,7 +113,7 @@ def render_service(executable: str, options: GenerateOptions) -> str:
 
 
 def render_path_unit(options: GenerateOptions) -> str:
-    cache = options.roots.driver(LD_CACHE)
+    cache = path_setting("--driver-root", options.roots.driver(LD_CACHE))
     return (
         "# Written by `gpunode cdi install`: a driver package runs ldconfig after installing its libraries,\n"
         "# which replaces the linker cache; the CDI spec is then regenerated.\n"
@@ -141,6 +150,17 @@ def plan_install(
         elif envvar_setting(old) is not False:
             files.append(FileChange(TOOLKIT_CONFIG, _with_envvar_off(old), old))
     commands: list[tuple[str, ...]] = []
+    if host.offline:
+        links = [
+            *enable.enable_links(host, SERVICE, files[0].content),
+            *enable.enable_links(host, PATH_UNIT, files[1].content),
+        ]
+        steps = (
+            ("systemctl", "daemon-reload"),
+            ("systemctl", "start", PATH_UNIT),
+            ("systemctl", "start", SERVICE),
+        )
+        return InstallPlan(tuple(files), (), tuple(notes), tuple(links), steps)
     if host.is_dir("/run/systemd/system"):
         commands = [
             ("systemctl", "daemon-reload"),
@@ -182,6 +202,7 @@ def apply_install(host: Host, plan: InstallPlan) -> None:
         host.write_file(
             change.path, change.content, mode=0o644, make_parents=True, backup_to=backup, expect=change.old
         )
+    enable.apply(host, plan.links)
     for argv in plan.commands:
         host.run(argv, timeout=SYSTEMCTL_TIMEOUT).check()
 
@@ -195,10 +216,12 @@ class UninstallPlan:
     restore: tuple[tuple[str, str], ...]  # (file, the original to put back): the toolkit's config
     commands: tuple[tuple[str, ...], ...]
     notes: tuple[str, ...] = field(default=())
+    links: tuple[enable.Link, ...] = field(default=())  # under --root: the units' links, removed
+    next_steps: tuple[tuple[str, ...], ...] = field(default=())
 
     @property
     def changes_nothing(self) -> bool:
-        return not self.remove and not self.restore
+        return not self.remove and not self.restore and not self.links
 
 
 def plan_uninstall(host: Host, options: GenerateOptions) -> UninstallPlan:
@@ -236,6 +259,11 @@ def plan_uninstall(host: Host, options: GenerateOptions) -> UninstallPlan:
                 f"(the original is in {backup})"
             )
     commands: list[tuple[str, ...]] = []
+    if host.offline:
+        gone = [unit.rsplit("/", 1)[1] for unit in units if unit in remove]
+        links = tuple(link for unit in gone for link in enable.disable_links(host, unit))
+        steps = (("systemctl", "stop", *gone), ("systemctl", "daemon-reload")) if gone else ()
+        return UninstallPlan(tuple(remove), tuple(restore), (), tuple(notes), links, steps)
     if any(u in remove for u in units):
         if host.is_dir("/run/systemd/system"):
             commands = [("systemctl", "disable", "--now", PATH_UNIT, SERVICE), ("systemctl", "daemon-reload")]
@@ -250,6 +278,7 @@ def apply_uninstall(host: Host, plan: UninstallPlan) -> None:
     for argv in plan.commands:
         if argv != reload_cmd:
             host.run(argv, timeout=SYSTEMCTL_TIMEOUT).check()
+    enable.apply(host, plan.links)
     for path in plan.remove:
         host.remove_file(path)
     for path, original in plan.restore:

@@ -324,6 +324,8 @@ def install(
             files=files,
             commands=[list(c) for c in plan.commands],
             notes=list(plan.notes),
+            links=[link.to_json() for link in plan.links],
+            next_steps=[list(c) for c in plan.next_steps],
         )
         jsonout.emit(doc)
         return
@@ -337,9 +339,18 @@ def install(
     if dry_run:
         for argv in plan.commands:
             click.echo(f"would run: {' '.join(argv)}")
+        _print_links(host, plan.links, plan.next_steps, done=False)
         return
     apply_install(host, plan)
+    _print_links(host, plan.links, plan.next_steps, done=True)
     click.echo("installed: the spec is regenerated at boot and when the driver's libraries change")
+
+
+def _print_links(host: Host, links: Any, next_steps: Any, *, done: bool) -> None:
+    from gpunode.systemd.enable import describe
+
+    for line in describe(str(host.root), links, next_steps, done=done):
+        click.echo(line)
 
 
 @app.command(
@@ -385,6 +396,8 @@ def uninstall(
             restore=[p for p, _ in plan.restore],
             commands=[list(c) for c in plan.commands],
             notes=list(plan.notes),
+            links=[link.to_json() for link in plan.links],
+            next_steps=[list(c) for c in plan.next_steps],
         )
         jsonout.emit(doc)
         return
@@ -402,3 +415,4 @@ def uninstall(
         return
     if not dry_run:
         apply_uninstall(host, plan)
+    _print_links(host, plan.links, plan.next_steps, done=not dry_run)

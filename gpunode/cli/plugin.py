@@ -370,34 +370,34 @@ def install(
         if as_json:
             jsonout.emit(jsonout.document("plugin-install", changed=False, dry_run=True, **_plan_json(plan)))
         else:
-            _print_plan(plan)
+            _print_plan(plan, host)
         return
-    if plan.changes_nothing and (no_start or service.service_state(host).active == "active"):
-        current = service.service_state(host)
+    # Under --root this machine's systemd knows nothing of the root's units: it is not asked.
+    if plan.changes_nothing and (no_start or host.offline or service.service_state(host).active == "active"):
+        current = None if host.offline else service.service_state(host)
+        state_field: dict[str, Any] = {} if current is None else {"state": _state_json(current)}
         if as_json:
-            jsonout.emit(
-                jsonout.document(
-                    "plugin-install", changed=False, **_plan_json(plan), state=_state_json(current)
-                )
-            )
+            jsonout.emit(jsonout.document("plugin-install", changed=False, **_plan_json(plan), **state_field))
             return
         click.echo(f"{service.UNIT} is installed and up to date; nothing to do")
-        _print_state(current)
+        if current is not None:
+            _print_state(current)
         return
     if not as_json:
         for note in plan.notes:
             click.echo(f"note: {note}")
     result = service.apply_install(host, plan)
     if as_json:
-        jsonout.emit(
-            jsonout.document("plugin-install", changed=True, **_plan_json(plan), state=_state_json(result))
-        )
+        state_field = {} if host.offline else {"state": _state_json(result)}
+        jsonout.emit(jsonout.document("plugin-install", changed=True, **_plan_json(plan), **state_field))
         return
     for f in plan.files:
         click.echo(f"{'wrote' if f.changed else 'unchanged'} {f.path}")
+    _print_links(plan, host, done=True)
     for argv in plan.commands:
         click.echo(f"ran {' '.join(argv)}")
-    _print_state(result)
+    if not host.offline:
+        _print_state(result)
 
 
 @app.command(
@@ -427,7 +427,7 @@ def uninstall(ctx: click.Context, dry_run: bool, as_json: bool) -> None:
                 jsonout.document("plugin-uninstall", changed=False, dry_run=True, **_plan_json(plan))
             )
         else:
-            _print_plan(plan)
+            _print_plan(plan, host)
         return
     if not plan.changes_nothing:
         service.apply_uninstall(host, plan)
@@ -443,6 +443,7 @@ def uninstall(ctx: click.Context, dry_run: bool, as_json: bool) -> None:
             click.echo(f"ran {' '.join(argv)}")
         for path in plan.remove:
             click.echo(f"removed {path}")
+        _print_links(plan, host, done=True)
     for note in plan.notes:
         click.echo(f"note: {note}")
 
@@ -540,7 +541,16 @@ def _plan_json(plan: Any) -> dict[str, Any]:
         "remove": list(plan.remove),
         "wait_ready": plan.wait_ready,
         "notes": list(plan.notes),
+        "links": [link.to_json() for link in plan.links],
+        "next_steps": [list(argv) for argv in plan.next_steps],
     }
+
+
+def _print_links(plan: Any, host: Any, *, done: bool) -> None:
+    from gpunode.systemd.enable import describe
+
+    for line in describe(str(host.root), plan.links, plan.next_steps, done=done):
+        click.echo(line)
 
 
 def _state_json(current: Any) -> dict[str, Any]:
@@ -604,7 +614,7 @@ def _show_config(
     )
 
 
-def _print_plan(plan: Any) -> None:
+def _print_plan(plan: Any, host: Any) -> None:
     for f in plan.files:
         verb = "unchanged" if not f.changed else ("would create" if f.before is None else "would replace")
         click.echo(f"{verb} {f.path}:")
@@ -614,6 +624,7 @@ def _print_plan(plan: Any) -> None:
         click.echo(f"would remove {path}")
     for argv in plan.commands:
         click.echo(f"would run: {' '.join(argv)}")
+    _print_links(plan, host, done=False)
     if plan.wait_ready:
         click.echo("would wait until the plugin is registered with kubelet (the unit turns active)")
     for note in plan.notes:

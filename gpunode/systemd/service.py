@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import stat
 import sys
 import time
@@ -21,10 +20,12 @@ from importlib import resources
 from pathlib import Path
 
 from gpunode import paths
-from gpunode.errors import CommandFailed, ConfigError, GpunodeError, NotFound, PermissionDenied, UsageError
+from gpunode.errors import CommandFailed, ConfigError, GpunodeError, NotFound, PermissionDenied
 from gpunode.host import Host
 from gpunode.plugin import statusfile
 from gpunode.services import journal_tail
+from gpunode.systemd import enable
+from gpunode.systemd.unitsyntax import absolute_path, exec_start
 
 UNIT = paths.PLUGIN_SERVICE
 UNIT_PATH = f"/etc/systemd/system/{UNIT}"
@@ -75,10 +76,19 @@ class ServicePlan:
     wait_ready: bool = False
     notes: tuple[str, ...] = ()
     kept: tuple[str, ...] = ()  # uninstall: files install wrote that were changed since (left in place)
+    # Under --root (Host.offline): the units enabled or disabled by their links, and what is left for the
+    # operator to run on the system in the root (nothing runs on this machine).
+    links: tuple[enable.Link, ...] = ()
+    next_steps: tuple[tuple[str, ...], ...] = ()
 
     @property
     def changes_nothing(self) -> bool:
-        return not any(f.changed for f in self.files) and not self.commands and not self.remove
+        return (
+            not any(f.changed for f in self.files)
+            and not self.commands
+            and not self.remove
+            and not any(link.changed for link in self.links)
+        )
 
 
 @dataclass
@@ -125,34 +135,6 @@ _HIDING = {
 }
 
 
-# What may stand in an ExecStart= program path unquoted: anything else (a space, `;`, `%`) is quoted.
-_PLAIN_PATH = re.compile(r"[A-Za-z0-9/._+:,=~@-]+")
-
-
-def exec_path(executable: str) -> str:
-    """The program path as an ExecStart= word that systemd reads back as exactly `executable`.
-
-    systemd.service "Command lines" / systemd.syntax "Quoting", checked against systemd 252's parser
-    (`systemd-analyze verify`, see the tests): the word is unquoted as in a shell-like syntax (double quotes
-    keep spaces; C escapes inside them), then `%` specifiers are expanded, in the program path too, so `%`
-    is written `%%`. `$VAR` is not expanded in the program path (only in arguments), so `$` stays as is.
-    Control characters (a newline would end the setting and start another), `"`, `'` and `\\` are
-    refused by systemd in a program path whatever the quoting ("Executable name contains special
-    characters"): such a path is an error here, before anything is written.
-    """
-    bad = sorted({c for c in executable if c in "\"'\\" or not c.isprintable()})
-    if bad or not executable.startswith("/"):
-        what = "is not an absolute path" if not bad else "contains " + ", ".join(repr(c) for c in bad)
-        raise GpunodeError(
-            f"cannot run gpunode from {executable!r} under systemd: the path {what}, which a unit's "
-            "ExecStart= cannot name",
-            "install gpunode under a plain absolute path (./install.sh puts it in /usr/local), then run "
-            "this again",
-        )
-    escaped = executable.replace("%", "%%")
-    return escaped if _PLAIN_PATH.fullmatch(executable) else f'"{escaped}"'
-
-
 def _under(path: str, prefixes: Iterable[str]) -> list[str]:
     """The prefixes that are the path or a directory above it."""
     return [p for p in prefixes if path == p or path.startswith(p + "/")]
@@ -160,7 +142,7 @@ def _under(path: str, prefixes: Iterable[str]) -> list[str]:
 
 def render_unit(executable: str) -> str:
     template = resources.files("gpunode.templates").joinpath(UNIT).read_text(encoding="utf-8")
-    text = template.replace("@GPUNODE@", exec_path(executable))
+    text = template.replace("@EXEC_START@", exec_start(executable, ["plugin", "run"]))
     for option, prefixes in _HIDING.items():
         hidden_under = _under(executable, prefixes)
         if hidden_under:
@@ -174,16 +156,12 @@ def render_unit(executable: str) -> str:
 def render_doctor_units(executable: str, directory: str) -> tuple[str, str]:
     """The oneshot service and its timer that write DIR/gpunode_doctor.prom (node_exporter's
     --collector.textfile.directory)."""
-    if not directory.startswith("/") or not _PLAIN_PATH.fullmatch(directory):
-        raise UsageError(
-            f"--doctor-metrics {directory!r}: not an absolute path of plain characters",
-            "give node_exporter's --collector.textfile.directory, e.g. "
-            "/var/lib/node_exporter/textfile_collector",
-        )
+    directory = absolute_path("--doctor-metrics", directory)
     templates = resources.files("gpunode.templates")
     target = directory.rstrip("/") + "/" + DOCTOR_FILE
     unit = templates.joinpath(DOCTOR_SERVICE).read_text(encoding="utf-8")
-    unit = unit.replace("@GPUNODE@", exec_path(executable)).replace("@FILE@", target)
+    command = exec_start(executable, ["doctor", "--prometheus", target])
+    unit = unit.replace("@EXEC_START@", command)
     return unit, templates.joinpath(DOCTOR_TIMER).read_text(encoding="utf-8")
 
 
@@ -252,6 +230,8 @@ def plan_install(
             _planned_file(host, f"/etc/systemd/system/{DOCTOR_SERVICE}", doctor_unit),
             _planned_file(host, f"/etc/systemd/system/{DOCTOR_TIMER}", timer),
         ]
+    if host.offline:
+        return _plan_install_offline(host, files, doctor_files, start=start, executable=executable)
     state = service_state(host)
     commands: list[tuple[str, ...]] = []
     unit_changed = files[0].changed
@@ -272,12 +252,43 @@ def plan_install(
             commands.append(("systemctl", "restart", "--no-block", UNIT))
         elif config_changed:
             commands.append(("systemctl", "reload", UNIT))  # SIGHUP: the plugin re-reads its config
-    notes = tuple(
+    return ServicePlan(tuple(files), tuple(commands), wait_ready=start, notes=_notes(executable))
+
+
+def _notes(executable: str) -> tuple[str, ...]:
+    return tuple(
         f"{option} is off in the unit: {executable} lies in a directory it would hide; install gpunode "
         "under /usr/local or /opt to keep it"
         for option in hardening_relaxed(executable)
     )
-    return ServicePlan(tuple(files), tuple(commands), wait_ready=start, notes=notes)
+
+
+def _plan_install_offline(
+    host: Host, files: list[FileWrite], doctor_files: list[FileWrite], *, start: bool, executable: str
+) -> ServicePlan:
+    """Under --root: the files written into the root, the units enabled by their links there, and the
+    rest — reload, start — left as next steps for the system in the root (nothing runs here)."""
+    unit, config = files[0], (files[1] if len(files) > 1 else None)
+    links = enable.enable_links(host, UNIT, unit.content)
+    steps: list[tuple[str, ...]] = []
+    if unit.changed or any(f.changed for f in doctor_files):
+        steps.append(("systemctl", "daemon-reload"))
+    if doctor_files:
+        links += enable.enable_links(host, DOCTOR_TIMER, doctor_files[1].content)
+        if any(f.changed for f in doctor_files):
+            steps.append(("systemctl", "start", DOCTOR_TIMER))
+    if start:
+        # Whether the plugin runs there now is not known from here: a unit that was there is taken to be
+        # running (a restart or a reload applies the change), a new one to be started.
+        if unit.before is None:
+            steps.append(("systemctl", "start", UNIT))
+        elif unit.changed:
+            steps.append(("systemctl", "restart", UNIT))
+        elif config is not None and config.changed:
+            steps.append(("systemctl", "reload", UNIT))
+    files += doctor_files
+    notes = _notes(executable)
+    return ServicePlan(tuple(files), (), notes=notes, links=tuple(links), next_steps=tuple(steps))
 
 
 # Where the unit's own hardening puts a private or read-only view (ProtectSystem=full: /usr, /boot, /etc).
@@ -345,29 +356,33 @@ def apply_install(
     sleep: Callable[[float], None] = time.sleep,
 ) -> ServiceState:
     require_root(host, "plugin install")
-    record = _read_record(host)
-    touched = False  # a file written or a systemctl command run: nothing of it is rolled back
+    changed = False  # a file written, a link made or a systemctl command run: nothing is rolled back
     try:
+        record = _read_record(host)
         for f in plan.files:
             if f.changed:
                 backup = f"{BACKUP_DIR}{f.path}" if f.before is not None and f.path not in record else None
                 host.write_file(
                     f.path, f.content, mode=f.mode, backup_to=backup, make_parents=True, exact_mode=True
                 )
-                touched = True
+                changed = True
             record[f.path] = _digest(f.content)
         host.make_dirs(os.path.dirname(RECORD_PATH))
         host.write_file(RECORD_PATH, json.dumps(record, indent=2, sort_keys=True) + "\n", mode=0o644)
+        changed = changed or any(link.changed for link in plan.links)
+        enable.apply(host, plan.links)
         for argv in plan.commands:
-            touched = True  # a command that fails may still have done part of its work
+            changed = True  # a systemctl command that fails may have acted all the same (enabled, started)
             host.run(list(argv), timeout=SYSTEMCTL_TIMEOUT).check()
+        if host.offline:
+            return ServiceState()  # this machine's systemd knows nothing of the root's units: not asked
         if not plan.wait_ready:
             return service_state(host)
         return wait_until_active(host, timeout=timeout, sleep=sleep)
-    except GpunodeError as exc:
-        # The files stay written and the unit enabled (uninstall takes them back): the --json error
-        # document must not say the host is as it was.
-        exc.changed = exc.changed or touched
+    except GpunodeError as err:
+        # The files written stay (a re-run finishes the install, uninstall removes them): the --json
+        # error document must say that the host changed.
+        err.changed = err.changed or changed
         raise
 
 
@@ -409,6 +424,19 @@ def plan_uninstall(host: Host) -> ServicePlan:
         else:
             kept.append(path)
             notes.append(f"{path} was changed after gpunode wrote it; left in place")
+    if not record and host.exists(UNIT_PATH):
+        notes.append(f"{UNIT_PATH} was not installed by gpunode (no record); left in place")
+    if host.offline:
+        # Under --root: the links to the units removed go with them (what `systemctl disable` removes);
+        # stopping and reloading are for the system in the root, if it runs.
+        gone = [
+            os.path.basename(p) for p in remove if p in (UNIT_PATH, f"/etc/systemd/system/{DOCTOR_TIMER}")
+        ]
+        links = tuple(link for unit in gone for link in enable.disable_links(host, unit))
+        steps = (("systemctl", "stop", *gone), ("systemctl", "daemon-reload")) if gone else ()
+        return ServicePlan(
+            (), (), remove=tuple(remove), notes=tuple(notes), kept=tuple(kept), links=links, next_steps=steps
+        )
     state = service_state(host)
     commands: list[tuple[str, ...]] = []
     running = state.active not in ("inactive", "unknown") or state.enabled
@@ -425,8 +453,6 @@ def plan_uninstall(host: Host) -> ServicePlan:
         commands.append(("systemctl", "disable", "--now", DOCTOR_TIMER))
     if UNIT_PATH in remove or f"/etc/systemd/system/{DOCTOR_TIMER}" in remove:
         commands.append(("systemctl", "daemon-reload"))
-    if not record and host.exists(UNIT_PATH):
-        notes.append(f"{UNIT_PATH} was not installed by gpunode (no record); left in place")
     return ServicePlan((), tuple(commands), remove=tuple(remove), notes=tuple(notes), kept=tuple(kept))
 
 
@@ -436,6 +462,7 @@ def apply_uninstall(host: Host, plan: ServicePlan) -> None:
     for argv in plan.commands:
         if argv != reload_cmd:
             host.run(list(argv), timeout=SYSTEMCTL_TIMEOUT).check()
+    enable.apply(host, plan.links)
     for path in plan.remove:
         host.remove_file(path)
     if reload_cmd in plan.commands:

@@ -23,7 +23,9 @@ def test_systemd_accepts_the_cdi_units(tmp_path: Path) -> None:
         pytest.skip("systemd-analyze is not installed (CI fails instead of skipping)")
     gpunode = Path(sys.executable).parent / "gpunode"
     assert gpunode.exists(), "gpunode is not installed in this interpreter's environment"
-    options = GenerateOptions(driver_root="/run/nvidia/driver", output="/etc/cdi/nvidia gpu.json")
+    # Specifier, variable, escape and quote characters: written so that systemd warns about nothing (what
+    # it then runs is checked in test_unit_escaping.py).
+    options = GenerateOptions(driver_root='/run/nvidia 100%/$D/a\\b/"q"', output="/etc/cdi/nvidia gpu.json")
     (tmp_path / SERVICE).write_text(render_service(str(gpunode), options))
     (tmp_path / PATH_UNIT).write_text(render_path_unit(options))
     result = subprocess.run(
@@ -35,4 +37,6 @@ def test_systemd_accepts_the_cdi_units(tmp_path: Path) -> None:
         check=False,
     )
     assert result.returncode == 0 and result.stderr == "", result.stderr
-    assert "'/etc/cdi/nvidia gpu.json'" in (tmp_path / SERVICE).read_text()
+    assert '--output "/etc/cdi/nvidia gpu.json"' in (tmp_path / SERVICE).read_text()
+    assert '--driver-root "/run/nvidia 100%%/$$D/a\\\\b/\\"q\\""' in (tmp_path / SERVICE).read_text()
+    assert 'PathChanged=/run/nvidia 100%%/$D/a\\b/"q"/etc/ld.so.cache\n' in (tmp_path / PATH_UNIT).read_text()

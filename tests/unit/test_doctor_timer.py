@@ -67,10 +67,16 @@ def test_units_render_and_pass_systemd_analyze(tmp_path: Path) -> None:
         assert (proc.returncode, proc.stderr) == (0, ""), name
 
 
-@pytest.mark.parametrize("directory", ["relative/dir", "/with space", "/semi;colon"])
+@pytest.mark.parametrize("directory", ["relative/dir", "/a/../b", "/with\nnewline", "/nul\0", "/end "])
 def test_a_directory_systemd_cannot_name_is_refused(directory: str) -> None:
     with pytest.raises(UsageError, match="--doctor-metrics"):
         service.render_doctor_units(GPUNODE, directory)
+
+
+def test_a_directory_with_spaces_and_specifier_characters_is_escaped_not_refused() -> None:
+    unit, _ = service.render_doctor_units(GPUNODE, "//srv/node exporter/100%/$x/")
+    expected = f'ExecStart={GPUNODE} doctor --prometheus "/srv/node exporter/100%%/$$x/gpunode_doctor.prom"\n'
+    assert expected in unit  # systemd's reading of it: tests/integration/test_unit_escaping.py
 
 
 def test_install_enables_the_timer_and_uninstall_removes_it(tmp_path: Path) -> None:
