@@ -286,14 +286,16 @@ def _render_outcome(outcome: Outcome, restarted: bool, revert_hint: str, *, else
         click.echo(f"the original is kept in {backup}")
     if outcome.verified:
         click.echo(f"verified: {outcome.verified}")
+    # A restart is owed only for a file the service reads (standard_location): never for a scratch --config.
+    owed = outcome.restart_pending or (outcome.changed and not restarted and plan.standard_location)
     if outcome.restarted:
         click.echo(f"restarted {plan.unit}: {outcome.restarted}")
-    elif (outcome.restart_pending or (outcome.changed and not restarted and plan.standard_location)) and elsewhere:
+    elif owed and elsewhere:
         click.echo(
             f"restart {plan.runtime} where these files are the running system's for the change to take "
             f"effect (systemctl restart {plan.unit} there; never run from here under --root)"
         )
-    elif outcome.restart_pending or (outcome.changed and not restarted and plan.standard_location):
+    elif owed:
         click.echo(
             f"restart {plan.runtime} for the change to take effect (systemctl restart {plan.unit}, or run "
             "this command again with --restart)"
