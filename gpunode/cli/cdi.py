@@ -89,7 +89,8 @@ def _inventory(host: Host) -> Inventory:
     "generate",
     epilog=exit_codes(
         "0    written (or already current: the file is left untouched)",
-        "6    a device node or the driver's libraries were not found",
+        "6    a device node or the driver's libraries were not found, or a device node is not the device "
+        "its name says (a link, another major or minor)",
         "7    NVML cannot be used",
     ),
 )
