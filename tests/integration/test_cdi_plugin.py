@@ -117,6 +117,16 @@ def test_the_plugin_answers_with_names_of_gpunodes_generated_spec(base: Path) ->
         assert dict(container.annotations) == {"cdi.k8s.io/gpunode_2": f"{GPU}=2"}
 
 
+def stale_gpunode_spec(specs: Path, ours: Path, names: list[str]) -> None:
+    """A spec gpunode wrote (its header) that holds only `names`: the plugin regenerates only gpunode's own
+    spec, never another tool's file at that path (tests/unit/test_cdi_spec_ownership.py)."""
+    from gpunode.cdi.ownership import MARKER
+
+    made = cdinode.write_spec(specs, names)
+    ours.write_text(f"{MARKER} (stale)\n{made.read_text()}")
+    made.unlink()
+
+
 def test_the_plugin_regenerates_gpunodes_spec_at_start_and_on_sighup(base: Path) -> None:
     """gpunode's own spec (its default name in the dynamic directory) is kept true by the plugin: a stale one
     (written for GPU 0 only, as after a repartitioning) is regenerated at start from what NVML reports, so the
@@ -138,7 +148,7 @@ def test_the_plugin_regenerates_gpunodes_spec_at_start_and_on_sighup(base: Path)
     specs = base / "cdi"
     specs.mkdir()
     ours = specs / Path(default_output(GPU)).name  # gpunode-nvidia.com-gpu.yaml (JSON is YAML too)
-    cdinode.write_spec(specs, uuids("pcie-4")[:1]).rename(ours)
+    stale_gpunode_spec(specs, ours, uuids("pcie-4")[:1])
     env = {"GPUNODE_CDI_SPEC_DIRS": str(specs)}
     args = ["--device-list-strategy", "cdi-cri", "--driver-root", str(dev)]
     with (
@@ -165,7 +175,7 @@ def test_the_plugin_regenerates_gpunodes_spec_at_start_and_on_sighup(base: Path)
         reload_and_wait()
         assert ours.stat().st_mtime_ns == mtime  # nothing changed: not rewritten
 
-        cdinode.write_spec(specs, uuids("pcie-4")[:1]).rename(ours)  # stale again
+        stale_gpunode_spec(specs, ours, uuids("pcie-4")[:1])  # stale again
         reload_and_wait()
         names = {d["name"] for d in yaml.safe_load(ours.read_text())["devices"]}
         assert set(uuids("pcie-4")) <= names, plugin.log()
