@@ -308,3 +308,35 @@ def test_aliases_within_the_bounds_are_read() -> None:
     )
     doc = cdispec.parse(text, "/etc/cdi/x.yaml")
     assert cdispec.structure_problems(doc) == []
+
+
+@settings(max_examples=60, derandomize=True, deadline=None)
+@given(
+    st.sampled_from(SLOTS),
+    st.integers(min_value=1, max_value=3000),
+    st.sampled_from(["list", "map", "block"]),
+    st.sampled_from(["/etc/cdi/x.yaml", "/etc/cdi/x.json"]),
+)
+def test_nesting_of_any_depth_at_any_level(path: tuple[Any, ...], depth: int, shape: str, where: str) -> None:
+    """A value nested `depth` deep put at any level of a valid spec, as YAML flow, YAML block or JSON: read
+    (shallow), or refused with a ConfigError naming the file; never a RecursionError or a crash."""
+    import yaml
+
+    marker = "NESTED"
+    doc = _replaced(path, marker)
+    if where.endswith(".json"):
+        nested = "[" * depth + "1" + "]" * depth if shape != "map" else '{"a": ' * depth + "1" + "}" * depth
+        text = json.dumps(doc).replace(json.dumps(marker), nested)
+    elif shape == "block":  # block mappings, indented one more level each, under a key of the document
+        nested = "".join(f"\n{'  ' * (i + 1)}a:" for i in range(depth)) + " 1\n"
+        text = yaml.safe_dump(_valid_doc()) + "x:" + nested
+    else:
+        nested = "[" * depth + "1" + "]" * depth if shape == "list" else "{a: " * depth + "1" + "}" * depth
+        text = yaml.safe_dump(doc, default_flow_style=True, width=10**9).replace(marker, nested)
+    try:
+        parsed = cdispec.parse(text, where)
+    except ConfigError as err:
+        assert where in err.message and len(err.message) < 500
+        return
+    problems = cdispec.structure_problems(parsed)
+    assert all(len(p) < 400 for p in problems)
