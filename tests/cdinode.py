@@ -15,9 +15,26 @@ import struct
 from collections.abc import Iterable
 from pathlib import Path
 
-NVIDIA_MAJOR = 195
-UVM_MAJOR = 235
-CAPS_MAJOR = 236
+
+def _this_machines_majors() -> dict[str, int]:
+    """The NVIDIA majors of this machine's /proc/devices, where its driver is loaded: a test that reads the
+    real /proc (gpunode on the real root, a fake driver root) then finds nodes with the majors it expects."""
+    majors: dict[str, int] = {}
+    try:
+        lines = Path("/proc/devices").read_text().split("Block devices")[0].splitlines()
+    except OSError:
+        return majors
+    for line in lines:
+        parts = line.split()
+        if len(parts) == 2 and parts[0].isdigit():
+            majors.setdefault(parts[1], int(parts[0]))
+    return majors
+
+
+_REAL = _this_machines_majors()
+NVIDIA_MAJOR = _REAL.get("nvidia-frontend", _REAL.get("nvidia", 195))
+UVM_MAJOR = _REAL.get("nvidia-uvm", 235)
+CAPS_MAJOR = _REAL.get("nvidia-caps", 236)
 LIB_DIR = "/usr/lib/x86_64-linux-gnu"
 # (soname, file) pairs of the stand-in driver: what `ldconfig` would list for a 550 driver.
 LIBRARIES = (
@@ -87,6 +104,7 @@ def make_driver(
         mknod(root / "dev/nvidia-uvm-tools", UVM_MAJOR, 1)
     for minor in mig_caps:
         mknod(root / f"dev/nvidia-caps/nvidia-cap{minor}", CAPS_MAJOR, minor)
+    write_proc_devices(root)
     set_driver_version(root, version)
     smi = root / "usr/bin/nvidia-smi"
     smi.parent.mkdir(parents=True, exist_ok=True)
@@ -100,6 +118,19 @@ def make_driver(
         ctk = root / "usr/bin/nvidia-ctk"
         ctk.write_text("#!/bin/sh\nexit 0\n")
         ctk.chmod(0o755)
+
+
+def write_proc_devices(root: Path, majors: dict[str, int] | None = None) -> None:
+    """The kernel's /proc/devices under `root` as a loaded driver makes it: the majors gpunode checks each
+    device node against (`majors` replaces the NVIDIA ones; a value of 0 leaves that driver out)."""
+    wanted = {"nvidia-frontend": NVIDIA_MAJOR, "nvidia-uvm": UVM_MAJOR, "nvidia-caps": CAPS_MAJOR}
+    wanted.update(majors or {})
+    lines = ["Character devices:", "  1 mem", "  4 /dev/vc/0", "  5 /dev/tty"]
+    lines += [f"{major:3d} {name}" for name, major in sorted(wanted.items(), key=lambda i: i[1]) if major]
+    lines += ["", "Block devices:", "  7 loop", "  8 sd", ""]
+    path = root / "proc/devices"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines))
 
 
 def set_driver_version(root: Path, version: str) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 from gpunode.cdi import spec as cdispec
 from gpunode.cdi.generate import Generated, GenerateOptions, generate, spec_driver_version
-from gpunode.cdi.hostfacts import char_device
+from gpunode.cdi.hostfacts import REMAKE_NODE, char_device, node_problem, proc_devices
 from gpunode.cdi.registry import list_devices, read_specs
 from gpunode.doctor.model import Finding, Status
 from gpunode.errors import GpunodeError, NvmlError
@@ -195,17 +195,24 @@ def _all_edits(spec: dict[str, Any]) -> Iterable[dict[str, Any]]:
 
 
 def _paths(host: Host, written: dict[str, Any]) -> Iterator[Finding]:
-    """The spec's device nodes exist with their recorded numbers; its mounts' sources and its hook exist."""
+    """The spec's device nodes exist with their recorded numbers and are the devices their names say (no
+    link to another node, the driver's major and minor); its mounts' sources and its hook exist."""
     bad_nodes: list[str] = []
+    wrong = False
     seen: set[str] = set()
+    majors = proc_devices(host)
     for edits in _all_edits(written):
         for node in edits.get("deviceNodes") or []:
             path = str(node.get("hostPath") or node.get("path"))
             if path in seen:
                 continue
             seen.add(path)
+            problem = node_problem(host, str(node.get("path")), path, majors)
             numbers = char_device(host, path)
-            if numbers is None:
+            if problem is not None:
+                wrong = True
+                bad_nodes.append(problem)
+            elif numbers is None:
                 bad_nodes.append(f"{path} does not exist")
             elif "major" in node and numbers != (node.get("major"), node.get("minor")):
                 recorded = f"{node.get('major')}:{node.get('minor')}"
@@ -214,9 +221,11 @@ def _paths(host: Host, written: dict[str, Any]) -> Iterator[Finding]:
         yield Finding(
             "cdi.nodes",
             Status.FAIL,
-            "device nodes of the CDI spec are missing or have other numbers",
+            "device nodes of the CDI spec are missing, have other numbers or are not the devices they name",
             "\n".join(bad_nodes),
-            "load the driver (`nvidia-modprobe`, udev makes the nodes), then " + REGENERATE,
+            (REMAKE_NODE if wrong else "load the driver (`nvidia-modprobe`, udev makes the nodes)")
+            + ", then "
+            + REGENERATE,
         )
     else:
         yield Finding("cdi.nodes", Status.OK, f"all {len(seen)} device nodes of the spec exist as recorded")

@@ -16,8 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpunode import __version__
+from gpunode.cdi import ownership
 from gpunode.cdi import spec as cdispec
 from gpunode.cdi.hostfacts import DeviceNode, HostFacts, Roots, loaded_nvml_paths, read_host_facts
+from gpunode.errors import GpunodeError
 from gpunode.host import Host
 from gpunode.nvml.model import Inventory
 
@@ -151,9 +153,61 @@ def generate(
     )
 
 
-def write_spec(host: Host, generated: Generated) -> bool:
-    """Write the spec atomically; False when the file already holds exactly this text (left untouched)."""
-    return host.write_file(generated.path, generated.text, mode=0o644, make_parents=True).changed
+@dataclass(frozen=True)
+class SpecWrite:
+    changed: bool
+    backup: str | None = None  # where the file --force replaced was kept
+
+
+def check_writable(host: Host, generated: Generated, *, force: bool = False) -> ownership.Current:
+    """Refuse to write the spec over a file gpunode did not write (unless `force`), or through a link out of
+    the spec directory (always); what is there now otherwise. Run before a dry run's output too."""
+    path = generated.path
+    ownership.refuse_escaping_link(host, path)
+    now = ownership.current(host, path)
+    if now.exists and not now.ours and not force and now.data != generated.text.encode():
+        default = default_output(generated.spec["kind"])
+        raise GpunodeError(
+            f"{path} holds a file gpunode did not write (no gpunode header, no record of it in "
+            f"{ownership.RECORD}): another tool's CDI spec, such as nvidia-ctk's, is not replaced",
+            f"give --output another path (the default, {default}, is gpunode's own), or add --force to "
+            f"replace it (the original is copied to {ownership.BACKUP_DIR}{host.canonical(path)}.<sha256> "
+            "first)",
+        )
+    return now
+
+
+def write_spec_file(host: Host, generated: Generated, *, force: bool = False) -> SpecWrite:
+    """Write the spec atomically, only over a spec gpunode wrote (or, with `force`, over any file, kept
+    first); unchanged when the file already holds exactly this text (left untouched, mtime too)."""
+    now = check_writable(host, generated, force=force)
+    data = generated.text.encode()
+    if now.data == data:
+        return SpecWrite(changed=False)
+    # Another tool's file (replaced with force) is kept first; an empty one too: it may mean something.
+    foreign = now.data is not None and not now.ours
+    backup = (
+        ownership.backup_path(host, generated.path, now.data) if foreign and now.data is not None else None
+    )
+    outcome = host.write_file(
+        generated.path,
+        generated.text,
+        mode=0o644,
+        make_parents=True,
+        backup_to=backup,
+        expect=now.data,
+    )
+    if generated.fmt == "json" or backup is not None:
+        # A YAML spec is known by its header; the record is for what has none (JSON) and for the way back
+        # to a file --force replaced. Not written otherwise: a spec written anywhere (a test's temp
+        # directory) leaves nothing in /var/lib/gpunode.
+        ownership.record(host, generated.path, data, backup)
+    return SpecWrite(changed=outcome.changed, backup=backup)
+
+
+def write_spec(host: Host, generated: Generated, *, force: bool = False) -> bool:
+    """write_spec_file's `changed`: False when the file already holds exactly this text."""
+    return write_spec_file(host, generated, force=force).changed
 
 
 def spec_driver_version(spec: dict[str, Any]) -> str | None:

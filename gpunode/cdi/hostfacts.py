@@ -130,6 +130,74 @@ def proc_devices(host: Host) -> dict[str, int]:
     return majors
 
 
+# The drivers whose majors a node must have, by the name /proc/devices gives them. The GPUs' and the control
+# nodes' driver is "nvidia-frontend" (older drivers) or "nvidia"; nvidia-uvm and nvidia-caps have their own.
+NVIDIA_DRIVER_NAMES = ("nvidia-frontend", "nvidia")
+REMAKE_NODE = (
+    "make the node again as the driver defines it: remove it and run `nvidia-modprobe` (`-c <minor>` for a "
+    "GPU, `-u -c 0` for nvidia-uvm, `-f /proc/driver/nvidia/capabilities/...` for nvidia-caps), or let udev "
+    "make it (`udevadm trigger --subsystem-match=nvidia`)"
+)
+NODE_FIX = REMAKE_NODE + "; then run the command again"
+
+
+def nvidia_major(majors: dict[str, int]) -> int | None:
+    return next((majors[n] for n in NVIDIA_DRIVER_NAMES if n in majors), None)
+
+
+def expected_node(path: str, majors: dict[str, int]) -> tuple[str, int | None, int] | None:
+    """(driver, major, minor) the NVIDIA node at container path `path` must have: its name says which
+    (/dev/nvidia<N> is the GPU of minor N, nvidiactl is 255, nvidia-uvm 0 of nvidia-uvm's major, ...).
+    The major is None when /proc/devices does not list the driver; None for a path that is no NVIDIA node."""
+    name = posixpath.basename(path)
+    directory = posixpath.dirname(path)
+    if directory == "/dev":
+        fixed = {"nvidiactl": ("nvidia", 255), "nvidia-modeset": ("nvidia", 254),
+                 "nvidia-uvm": ("nvidia-uvm", 0), "nvidia-uvm-tools": ("nvidia-uvm", 1)}  # fmt: skip
+        if name in fixed:
+            driver, minor = fixed[name]
+            major = nvidia_major(majors) if driver == "nvidia" else majors.get(driver)
+            return driver, major, minor
+        if name.startswith("nvidia") and name[6:].isdigit():
+            return "nvidia", nvidia_major(majors), int(name[6:])
+    if directory == "/dev/nvidia-caps" and name.startswith("nvidia-cap") and name[10:].isdigit():
+        return "nvidia-caps", majors.get("nvidia-caps"), int(name[10:])
+    return None
+
+
+def node_problem(
+    host: Host, path: str, host_path: str, majors: dict[str, int], *, what: str | None = None
+) -> str | None:
+    """Why the node at `host_path` (container path `path`) is not the NVIDIA device its name says, or None:
+    a link (to another node: /dev/nvidia0 -> nvidia1 would give a pod GPU 1), not a character device, or
+    another major or minor than the driver's. A node that does not exist is no problem here."""
+    try:
+        st = os.lstat(host.path(host_path, follow_last=False))
+    except (OSError, GpunodeError, ValueError):
+        return None
+    label = f"{what} {host_path}" if what else host_path
+    if stat.S_ISLNK(st.st_mode):
+        try:
+            target = os.readlink(host.path(host_path, follow_last=False))
+        except OSError:
+            target = "?"
+        return f"{label} is a symbolic link to {target}; a device node must be the node itself"
+    if not stat.S_ISCHR(st.st_mode):
+        return f"{label} is not a character device"
+    expected = expected_node(path, majors)
+    if expected is None:
+        return None
+    driver, major, minor = expected
+    have = (os.major(st.st_rdev), os.minor(st.st_rdev))
+    if have[1] != minor or (major is not None and have[0] != major):
+        want = f"{major if major is not None else '<major of ' + driver + '>'}:{minor}"
+        return (
+            f"{label} is the device {have[0]}:{have[1]}; it must be {want} ({driver}'s major in "
+            f"/proc/devices, minor {minor})"
+        )
+    return None
+
+
 def read_host_facts(
     host: Host,
     inventory: Inventory,
@@ -141,16 +209,27 @@ def read_host_facts(
     warnings: list[str] = []
     gpu_nodes: dict[int, DeviceNode] = {}
     mig_nodes: dict[str, tuple[DeviceNode, ...]] = {}
-    caps_major = proc_devices(host).get("nvidia-caps") if any(g.mig_devices for g in inventory.gpus) else None
+    # The kernel's table of majors: the same /proc whatever the driver and device roots (the capability
+    # files below are read from it too).
+    majors = proc_devices(host)
+    caps_major = majors.get("nvidia-caps") if any(g.mig_devices for g in inventory.gpus) else None
+    if nvidia_major(majors) is None and any(g.usable for g in inventory.gpus):
+        warnings.append(
+            "/proc/devices lists no nvidia driver: the device nodes' majors are not checked (their minors "
+            "are)"
+        )
     for gpu in inventory.gpus:
         if not gpu.usable or gpu.minor is None:
             warnings.append(f"GPU {gpu.index} is left out: {gpu.error or 'lost from the bus'}")
             continue
-        gpu_nodes[gpu.index] = _gpu_node(host, roots, gpu)
+        gpu_nodes[gpu.index] = _gpu_node(host, roots, gpu, majors)
         for mig in gpu.mig_devices:
-            mig_nodes[mig.uuid] = _mig_nodes(host, roots, gpu, mig, caps_major=caps_major, warnings=warnings)
+            mig_nodes[mig.uuid] = _mig_nodes(
+                host, roots, gpu, mig, majors=majors, caps_major=caps_major, warnings=warnings
+            )
     control = []
     for path in CONTROL_NODES:
+        _refuse_wrong_node(host, path, roots.dev(path), majors)
         numbers = char_device(host, roots.dev(path))
         if numbers is not None:
             control.append(DeviceNode(path, roots.dev(path), *numbers))
@@ -189,8 +268,20 @@ def read_host_facts(
     )
 
 
-def _gpu_node(host: Host, roots: Roots, gpu: Gpu) -> DeviceNode:
+def _refuse_wrong_node(
+    host: Host, path: str, host_path: str, majors: dict[str, int], *, what: str | None = None
+) -> None:
+    """A node that is not the device its name says would give a pod another device than it was allocated
+    (or none it can use): refused, never written into the spec."""
+    problem = node_problem(host, path, host_path, majors, what=what)
+    if problem is not None:
+        raise NotFound(problem, NODE_FIX)
+
+
+def _gpu_node(host: Host, roots: Roots, gpu: Gpu, majors: dict[str, int]) -> DeviceNode:
     path = f"/dev/nvidia{gpu.minor}"
+    # Its minor must be NVML's minor number of this GPU: the node's name is made from it.
+    _refuse_wrong_node(host, path, roots.dev(path), majors, what=f"GPU {gpu.index}'s device node")
     numbers = char_device(host, roots.dev(path))
     if numbers is None:
         raise NotFound(
@@ -202,7 +293,14 @@ def _gpu_node(host: Host, roots: Roots, gpu: Gpu) -> DeviceNode:
 
 
 def _mig_nodes(
-    host: Host, roots: Roots, gpu: Gpu, mig: MigDevice, *, caps_major: int | None, warnings: list[str]
+    host: Host,
+    roots: Roots,
+    gpu: Gpu,
+    mig: MigDevice,
+    *,
+    majors: dict[str, int],
+    caps_major: int | None,
+    warnings: list[str],
 ) -> tuple[DeviceNode, ...]:
     """The capability nodes that give access to one MIG instance: its GPU instance's and its compute
     instance's, whose minors the driver publishes under /proc/driver/nvidia/capabilities."""
@@ -217,6 +315,9 @@ def _mig_nodes(
             warnings.append(f"MIG device {mig.uuid}: {access} is missing; its capability node is left out")
             continue
         path = f"/dev/nvidia-caps/nvidia-cap{minor}"
+        _refuse_wrong_node(
+            host, path, roots.dev(path), majors, what=f"MIG device {mig.uuid}'s capability node"
+        )
         numbers = char_device(host, roots.dev(path))
         if numbers is None:
             if caps_major is None:

@@ -7,6 +7,7 @@ that makes the runtime drop that device ("unresolvable CDI devices" for every po
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +15,8 @@ from gpunode.cdi import spec as cdispec
 from gpunode.cdi.generate import SPEC_DIRS
 from gpunode.errors import GpunodeError
 from gpunode.host import Host
+
+log = logging.getLogger("gpunode.cdi")
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,10 @@ def read_specs(host: Host, directories: tuple[str, ...] | None = None) -> list[S
             if not name.endswith((".yaml", ".json")) or name.startswith("."):
                 continue  # gpunode's own temp files start with a dot; runtimes read only these suffixes
             path = f"{directory.rstrip('/')}/{name}"
-            canonical = host.canonical(path)
+            try:
+                canonical = host.canonical(path)
+            except (GpunodeError, OSError, ValueError):  # a link loop: _read_one says what it is
+                canonical = path
             if canonical in seen:  # /var/run is /run: one file, read once
                 continue
             seen.add(canonical)
@@ -66,6 +72,9 @@ def read_specs(host: Host, directories: tuple[str, ...] | None = None) -> list[S
 
 
 def _read_one(host: Host, path: str, priority: int) -> SpecFile:
+    """One file as the runtimes see it. Any file can be here (another tool's, a broken one, a FIFO, a huge
+    one): whatever it is, it becomes a SpecFile, with problems when the runtimes would skip it. The Host's
+    reader refuses what is not a regular file, more than 8 MiB or not UTF-8; parse() bounds the rest."""
     try:
         text = host.read_text(path)
         doc = cdispec.parse(text, path)
@@ -73,12 +82,28 @@ def _read_one(host: Host, path: str, priority: int) -> SpecFile:
         return SpecFile(path, priority, None, (), None, (err.message,))
     problems = tuple(cdispec.structure_problems(doc))
     kind = doc.get("kind") if isinstance(doc.get("kind"), str) else None
-    devices = tuple(
-        str(d["name"])
-        for d in doc.get("devices") or []
-        if isinstance(d, dict) and isinstance(d.get("name"), str)
-    )
+    listed: list[Any] = doc["devices"] if isinstance(doc.get("devices"), list) else []
+    devices = tuple(d["name"] for d in listed if isinstance(d, dict) and isinstance(d.get("name"), str))
     return SpecFile(path, priority, kind, devices, doc, problems)
+
+
+_warned: set[tuple[str, str, tuple[str, ...]]] = set()  # (root, path, problems) already logged
+
+
+def warn_skipped(host: Host, files: list[SpecFile]) -> None:
+    """One warning line for each file the runtimes skip, as containerd and CRI-O log one: the plugin reads
+    the directories at start and on every re-discovery, and says it again only when the problem changes."""
+    for f in files:
+        key = (str(host.root), f.path, f.problems)
+        if f.problems and key not in _warned:
+            _warned.add(key)
+            more = f" (and {len(f.problems) - 3} more problems)" if len(f.problems) > 3 else ""
+            log.warning(
+                "CDI spec %s is skipped, as the runtimes skip it: %s%s",
+                cdispec.one_line(f.path),
+                cdispec.one_line("; ".join(f.problems[:3]), 600),
+                more,
+            )
 
 
 def list_devices(files: list[SpecFile]) -> list[ListedDevice]:
@@ -109,5 +134,7 @@ def list_devices(files: list[SpecFile]) -> list[ListedDevice]:
 def unresolvable(host: Host, kind: str, names: list[str]) -> list[str]:
     """Those of `names` (device names of `kind`) that no valid spec defines, or that only a conflict
     defines: what a runtime would answer with "unresolvable CDI devices"."""
-    resolved = {d.name for d in list_devices(read_specs(host)) if d.state == "ok"}
+    files = read_specs(host)
+    warn_skipped(host, files)
+    resolved = {d.name for d in list_devices(files) if d.state == "ok"}
     return [n for n in names if cdispec.qualified(kind, n) not in resolved]

@@ -100,14 +100,27 @@ def annotation_key(plugin: str, device_id: str) -> str:
 
 
 def _edits(spec: Mapping[str, Any]) -> Iterable[Mapping[str, Any]]:
-    yield spec.get("containerEdits") or {}
-    for device in spec.get("devices") or []:
-        yield device.get("containerEdits") or {}
+    """Every containerEdits mapping of the document; values of another type are skipped (structure_problems
+    names them), so a hostile file cannot make a reader fail."""
+    if isinstance(spec.get("containerEdits"), dict):
+        yield spec["containerEdits"]
+    for device in _list(spec.get("devices")):
+        if isinstance(device, dict) and isinstance(device.get("containerEdits"), dict):
+            yield device["containerEdits"]
+
+
+def _list(value: Any) -> list[Any]:
+    """`value` when it is a list, else [] (a wrong type is a problem structure_problems names)."""
+    return value if isinstance(value, list) else []
+
+
+def _dicts(value: Any) -> list[dict[str, Any]]:
+    return [v for v in _list(value) if isinstance(v, dict)]
 
 
 def minimum_version(spec: Mapping[str, Any]) -> str:
     """The lowest cdiVersion that can hold this content (see the module's docstring)."""
-    devices = spec.get("devices") or []
+    devices = _dicts(spec.get("devices"))
     edits = list(_edits(spec))
     if any(e.get("additionalGids") or e.get("intelRdt") for e in edits):
         return "0.7.0"
@@ -115,34 +128,113 @@ def minimum_version(spec: Mapping[str, Any]) -> str:
     if annotated or "." in str(spec.get("kind", "")).partition("/")[2]:
         return "0.6.0"
     digit_name = any(str(d.get("name", ""))[:1].isdigit() for d in devices)
-    if digit_name or any(n.get("hostPath") for e in edits for n in e.get("deviceNodes") or []):
+    if digit_name or any(n.get("hostPath") for e in edits for n in _dicts(e.get("deviceNodes"))):
         return "0.5.0"
-    if any(m.get("type") for e in edits for m in e.get("mounts") or []):
+    if any(m.get("type") for e in edits for m in _dicts(e.get("mounts"))):
         return "0.4.0"
     return "0.3.0"
 
 
+# The type of every field a runtime's CDI library (specs-go, read through sigs.k8s.io/yaml) decodes: a value
+# of another type fails its decoding, and the runtime skips the whole file. "list:x" is a list of x; a
+# mapping's name is one of the tables below; None (null) is an absent field.
+_FIELDS: dict[str, dict[str, str]] = {
+    "spec": {"cdiVersion": "str", "kind": "str", "annotations": "strmap", "devices": "list:device",
+             "containerEdits": "edits"},
+    "device": {"name": "str", "annotations": "strmap", "containerEdits": "edits"},
+    "edits": {"env": "list:str", "deviceNodes": "list:node", "hooks": "list:hook", "mounts": "list:mount",
+              "intelRdt": "map", "additionalGids": "list:int"},
+    "node": {"path": "str", "hostPath": "str", "type": "str", "major": "int", "minor": "int",
+             "fileMode": "int", "permissions": "str", "uid": "int", "gid": "int"},
+    "mount": {"hostPath": "str", "containerPath": "str", "options": "list:str", "type": "str"},
+    "hook": {"hookName": "str", "path": "str", "args": "list:str", "env": "list:str", "timeout": "int"},
+}  # fmt: skip
+_TYPE_WORDS = {"str": "a string", "int": "an integer", "map": "a mapping", "strmap": "a mapping of strings"}
+MAX_PROBLEMS = 20  # a hostile file could have a million; the first ones say enough
+
+
+def shown(value: Any, limit: int = 60) -> str:
+    """A value of a spec in a message: one line, at most about `limit` characters, however big or nested
+    the value (a YAML alias bomb is shown by its start only)."""
+    import reprlib
+
+    short = reprlib.Repr()
+    short.maxlevel, short.maxstring, short.maxother = 2, limit, limit
+    short.maxlist = short.maxdict = short.maxtuple = short.maxset = 4
+    text = short.repr(value)
+    if not text.isprintable():
+        text = text.encode("unicode_escape").decode("ascii")
+    return text if len(text) <= limit * 2 else text[: limit * 2] + "..."
+
+
+def _type_name(value: Any) -> str:
+    if value is True or value is False:
+        return "a boolean"
+    for kind, word in (
+        (str, "a string"), (int, "an integer"), (float, "a number"), (list, "a list"), (dict, "a mapping")
+    ):  # fmt: skip
+        if isinstance(value, kind):
+            return word
+    return f"a {type(value).__name__}"
+
+
+def _type_problem(value: Any, expected: str, where: str, problems: list[str]) -> bool:
+    """Append why `value` is not of `expected` (a _FIELDS type); True when it is."""
+    if expected.startswith("list:"):
+        item = expected[5:]
+        if not isinstance(value, list):
+            problems.append(f"{where} is {_type_name(value)} ({shown(value)}), not a list")
+            return False
+        ok = True
+        for i, entry in enumerate(value):
+            ok = _type_problem(entry, item, f"{where}[{i}]", problems) and ok
+            if len(problems) >= MAX_PROBLEMS:
+                break
+        return ok
+    if expected in _FIELDS:
+        if not isinstance(value, dict):
+            problems.append(f"{where} is {_type_name(value)} ({shown(value)}), not a mapping")
+            return False
+        ok = True
+        for key, field_type in _FIELDS[expected].items():
+            if value.get(key) is not None:
+                inner = f"{where}.{key}" if where else key
+                ok = _type_problem(value[key], field_type, inner, problems) and ok
+        return ok
+    if expected == "int":
+        good = isinstance(value, int) and not isinstance(value, bool)
+    elif expected == "str":
+        good = isinstance(value, str)
+    elif expected == "map":
+        good = isinstance(value, dict)
+    else:  # strmap
+        good = isinstance(value, dict) and all(isinstance(v, str) for v in value.values())
+    if not good:
+        problems.append(f"{where} is {_type_name(value)} ({shown(value)}), not {_TYPE_WORDS[expected]}")
+    return good
+
+
 def structure_problems(spec: Mapping[str, Any]) -> list[str]:
     """What makes this document an invalid CDI spec (empty when it is valid): the checks a runtime's CDI
-    library makes before it uses a file, and which make it drop the file whole."""
+    library makes before it uses a file, and which make it drop the file whole. Any document (the data of
+    any YAML or JSON file) gets an answer: a field of the wrong type is a problem, never an exception."""
     problems: list[str] = []
     for key in ("cdiVersion", "kind", "devices"):
         if key not in spec:
             problems.append(f"no {key!r}")
+    typed: list[str] = []
+    _type_problem(dict(spec), "spec", "", typed)
+    problems += typed
+    if typed:
+        return problems[:MAX_PROBLEMS]  # the semantic checks below would only repeat the same fault
     kind = spec.get("kind")
     if isinstance(kind, str):
         problem = kind_problem(kind)
         if problem:
             problems.append(problem)
-    elif kind is not None:
-        problems.append("'kind' is not a string")
-    devices = spec.get("devices")
-    if devices is not None and not isinstance(devices, list):
-        problems.append("'devices' is not a list")
-        devices = []
     seen: set[str] = set()
-    for device in devices or []:
-        name = device.get("name") if isinstance(device, dict) else None
+    for device in _dicts(spec.get("devices")):
+        name = device.get("name")
         if not isinstance(name, str):
             problems.append("a device without a name")
             continue
@@ -155,25 +247,26 @@ def structure_problems(spec: Mapping[str, Any]) -> list[str]:
         if not isinstance(device.get("containerEdits"), dict):
             problems.append(f"device {name!r} has no containerEdits")
     for edits in _edits(spec):
-        for env in edits.get("env") or []:
-            if not isinstance(env, str) or "=" not in env:
-                problems.append(f"env entry {env!r} is not KEY=VALUE")
-        for node in edits.get("deviceNodes") or []:
-            path = node.get("path") if isinstance(node, dict) else None
-            if not isinstance(path, str) or not path.startswith("/"):
-                problems.append(f"device node {node!r} has no absolute path")
-        for mount in edits.get("mounts") or []:
-            if not isinstance(mount, dict) or not mount.get("hostPath") or not mount.get("containerPath"):
-                problems.append(f"mount {mount!r} needs hostPath and containerPath")
-        for hook in edits.get("hooks") or []:
-            if not isinstance(hook, dict) or not hook.get("hookName") or not hook.get("path"):
-                problems.append(f"hook {hook!r} needs hookName and path")
+        for env in _list(edits.get("env")):
+            if "=" not in env:
+                problems.append(f"env entry {shown(env)} is not KEY=VALUE")
+        for node in _dicts(edits.get("deviceNodes")):
+            if not str(node.get("path") or "").startswith("/"):
+                problems.append(f"device node {shown(node)} has no absolute path")
+        for mount in _dicts(edits.get("mounts")):
+            if not mount.get("hostPath") or not mount.get("containerPath"):
+                problems.append(f"mount {shown(mount)} needs hostPath and containerPath")
+        for hook in _dicts(edits.get("hooks")):
+            if not hook.get("hookName") or not hook.get("path"):
+                problems.append(f"hook {shown(hook)} needs hookName and path")
+        if len(problems) >= MAX_PROBLEMS:
+            break
     version = spec.get("cdiVersion")
     if isinstance(version, str) and isinstance(kind, str) and not problems:
         needed = minimum_version(spec)
         if _version_tuple(version) < _version_tuple(needed):
             problems.append(f"cdiVersion {version} is lower than {needed}, which its content needs")
-    return problems
+    return problems[:MAX_PROBLEMS]
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:
@@ -200,24 +293,102 @@ def render(spec: Spec, fmt: str, header: str = "") -> str:
     return comment + yaml.dump(spec, Dumper=Dumper, sort_keys=False, default_flow_style=False, width=1000)
 
 
+# Bounds on what a spec file may hold: any file in the spec directories is read (by the plugin at start too),
+# so a hostile one must cost little. Real specs are far below them: nvidia-ctk's for 8 GPUs with MIG is about
+# 100 KB and 20,000 values.
+MAX_SPEC_BYTES = 4 * 2**20
+MAX_DEPTH = 100
+MAX_VALUES = 200_000  # every scalar, list and mapping, a YAML alias counted as all it names
+
+
 def parse(text: str, where: str) -> Spec:
-    """A spec file's document (YAML is a superset of JSON; both are read by the YAML parser)."""
+    """A spec file's document (YAML is a superset of JSON; both are read by the YAML parser). Whatever the
+    text, the answer is the document or a ConfigError naming the file: never another exception, and never
+    more work than the bounds above allow."""
+    fix = f"fix or remove {where}"
+    if len(text) > MAX_SPEC_BYTES:
+        raise ConfigError(f"{where} is larger than {MAX_SPEC_BYTES // 2**20} MiB: not a CDI spec", fix)
     if where.endswith(".json"):
         try:
             data = json.loads(text)
+        except RecursionError as exc:
+            raise ConfigError(f"{where} is not a CDI spec: nested too deeply", fix) from exc
         except ValueError as exc:
-            raise ConfigError(f"{where} is not valid JSON: {exc}", f"fix or remove {where}") from exc
+            raise ConfigError(f"{where} is not valid JSON: {one_line(exc)}", fix) from exc
     else:
-        import yaml
-
-        loader: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-        try:
-            data = yaml.load(text, Loader=loader)  # noqa: S506 (a safe loader, libyaml's where present)
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{where} is not valid YAML: {exc}", f"fix or remove {where}") from exc
+        data = _load_yaml(text, where)
     if not isinstance(data, dict):
-        raise ConfigError(f"{where} is not a CDI spec (not a mapping)", f"fix or remove {where}")
+        raise ConfigError(f"{where} is not a CDI spec (not a mapping)", fix)
+    if where.endswith(".json"):
+        _check_bounds_json(data, where)
     return data
+
+
+def _load_yaml(text: str, where: str) -> Any:
+    """YAML with libyaml's parser where PyYAML has it, after one pass over its events that refuses a document
+    nested or (aliases expanded) sized past the bounds: a 2 KB file of nested aliases is a billion values to
+    whoever walks it. Kept small on purpose: the shared loader (gpunode/safeyaml.py) can replace it."""
+    import yaml
+
+    loader: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    fix = f"fix or remove {where}"
+    sizes: dict[str, int] = {}  # anchor -> how many values it names
+    open_nodes: list[tuple[str | None, int]] = []  # (anchor, count at its start) of each open collection
+    count = 0
+    try:
+        for event in yaml.parse(text, Loader=loader):
+            if isinstance(event, yaml.AliasEvent):
+                if any(event.anchor == anchor for anchor, _ in open_nodes):
+                    raise ConfigError(f"{where} is not a CDI spec: a YAML alias inside its own anchor", fix)
+                count += sizes.get(event.anchor or "", 1)
+            elif isinstance(event, yaml.ScalarEvent):
+                count += 1
+                if event.anchor:
+                    sizes[event.anchor] = 1
+            elif isinstance(event, yaml.CollectionStartEvent):
+                count += 1
+                open_nodes.append((event.anchor, count - 1))
+                if len(open_nodes) > MAX_DEPTH:
+                    raise ConfigError(f"{where} is not a CDI spec: nested more than {MAX_DEPTH} deep", fix)
+            elif isinstance(event, yaml.CollectionEndEvent) and open_nodes:
+                anchor, began = open_nodes.pop()
+                if anchor:
+                    sizes[anchor] = count - began
+            if count > MAX_VALUES:
+                raise ConfigError(
+                    f"{where} is not a CDI spec: more than {MAX_VALUES} values (YAML aliases expanded)", fix
+                )
+        data = yaml.load(text, Loader=loader)  # noqa: S506 (a safe loader, libyaml's where present)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{where} is not valid YAML: {one_line(exc)}", fix) from exc
+    except (ValueError, OverflowError, RecursionError) as exc:  # a 5,000-digit int, a 13th month
+        raise ConfigError(f"{where} is not a CDI spec: {one_line(exc)}", fix) from exc
+    return data
+
+
+def one_line(text: object, limit: int = 200) -> str:
+    """A parser's message or a file name on one line (PyYAML's messages span several; a file name may hold a
+    newline), escaped and cut short: the plugin logs it as one line."""
+    text = " ".join(str(text).split())
+    if not text.isprintable():
+        text = text.encode("unicode_escape").decode("ascii")
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _check_bounds_json(data: Any, where: str) -> None:
+    """JSON has no aliases, but its values can still be more than a spec holds (a 4 MiB list of zeros)."""
+    pending, count = [data], 0
+    while pending:
+        value = pending.pop()
+        count += 1
+        if count > MAX_VALUES:
+            raise ConfigError(
+                f"{where} is not a CDI spec: more than {MAX_VALUES} values", f"fix or remove {where}"
+            )
+        if isinstance(value, dict):
+            pending.extend(value.values())
+        elif isinstance(value, list):
+            pending.extend(value)
 
 
 def format_of(path: str) -> str:

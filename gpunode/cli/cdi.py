@@ -89,11 +89,20 @@ def _inventory(host: Host) -> Inventory:
     "generate",
     epilog=exit_codes(
         "0    written (or already current: the file is left untouched)",
-        "6    a device node or the driver's libraries were not found",
+        "3    the output holds a file gpunode did not write (another tool's spec): see --force",
+        "4    the output is a link out of its directory, or not a regular file: never written",
+        "6    a device node or the driver's libraries were not found, or a device node is not the device "
+        "its name says (a link, another major or minor)",
         "7    NVML cannot be used",
     ),
 )
 @_spec_options
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Replace a file at the output that gpunode did not write (another tool's spec), after copying it "
+    "to /var/lib/gpunode/backup/cdi/. Never writes through a link out of the spec directory.",
+)
 @click.option(
     "--hook-program",
     metavar="PATH",
@@ -113,6 +122,7 @@ def generate(
     driver_root: str,
     dev_root: str | None,
     output: str | None,
+    force: bool,
     hook_program: str | None,
     dry_run: bool,
     as_json: bool,
@@ -120,8 +130,8 @@ def generate(
     """Write the CDI spec of this node's GPUs, from NVML: each GPU by index and UUID, each MIG device as
     <gpu>:<mig> and by UUID, and `all`; a spec that is already current is not rewritten."""
     from gpunode import jsonout
+    from gpunode.cdi.generate import check_writable, write_spec_file
     from gpunode.cdi.generate import generate as make_spec
-    from gpunode.cdi.generate import write_spec
     from gpunode.cli.state import state
     from gpunode.errors import NotFound
 
@@ -136,7 +146,12 @@ def generate(
             "NVML reports no usable GPU: there is nothing to put in a CDI spec",
             "check `nvidia-smi` and `gpunode doctor`",
         )
-    changed = False if dry_run else write_spec(host, generated)
+    if dry_run:
+        check_writable(host, generated, force=force)  # a dry run refuses what the run would refuse
+        written = None
+    else:
+        written = write_spec_file(host, generated, force=force)
+    changed = written is not None and written.changed
     if as_json:
         jsonout.emit(
             jsonout.document(
@@ -158,6 +173,8 @@ def generate(
         return
     for warning in generated.warnings:
         click.echo(f"warning: {warning}", err=True)
+    if written is not None and written.backup is not None:
+        click.echo(f"note: the file gpunode replaced is kept in {written.backup}", err=True)
     if dry_run:
         sys.stdout.write(generated.text)
         return

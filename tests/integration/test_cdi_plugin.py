@@ -62,6 +62,38 @@ def test_the_plugin_refuses_to_start_without_its_devices_in_a_spec(base: Path) -
         assert kubelet.registrations(GPU) == []  # it never said ready
 
 
+def test_the_plugin_skips_broken_third_party_specs_and_starts(base: Path) -> None:
+    """Broken files of other tools in the spec directory (wrong types, not UTF-8, a FIFO, an alias bomb)
+    are skipped as the runtimes skip them, each with one warning line: the plugin registers and serves,
+    where it used to exit 70 at start (a crash loop under systemd, no GPU advertised)."""
+    specs = base / "cdi"
+    cdinode.write_spec(specs, uuids("pcie-4"))
+    broken = {
+        "devices.yaml": b'cdiVersion: "0.5.0"\nkind: nvidia.com/gpu\ndevices: 5\n',
+        "edits.yaml": b'cdiVersion: "0.5.0"\nkind: nvidia.com/gpu\ndevices: []\ncontainerEdits: []\n',
+        "latin1.yaml": b"kind: \xe9\n",
+        "bomb.yaml": b"a: &a [x, x, x, x, x, x, x, x, x]\n"
+        + b"".join(
+            f"b{i}: &b{i} [{', '.join([f'*b{i - 1}' if i else '*a'] * 9)}]\n".encode() for i in range(8)
+        ),
+    }
+    for name, content in broken.items():
+        (specs / name).write_bytes(content)
+    os.mkfifo(specs / "fifo.json")
+    env = {"GPUNODE_CDI_SPEC_DIRS": str(specs)}
+    with (
+        FakeKubelet(base / "device-plugins") as kubelet,
+        PluginProcess(base / "device-plugins", ["--device-list-strategy", "cdi-cri"], env=env) as plugin,
+    ):
+        kubelet.wait_registered(GPU)
+        assert len(kubelet.wait_for_devices(GPU, lambda d: len(d) == 4)) == 4
+        log = plugin.log()
+    for name in [*broken, "fifo.json"]:
+        lines = [line for line in log.splitlines() if f"{specs / name} is skipped" in line]
+        assert len(lines) == 1, (name, log)
+    assert "Traceback" not in log
+
+
 def test_the_plugin_answers_with_names_of_gpunodes_generated_spec(base: Path) -> None:
     driver = base / "drv"
     cdinode.make_driver(driver, "550.54.15", gpus=range(4))
@@ -85,6 +117,16 @@ def test_the_plugin_answers_with_names_of_gpunodes_generated_spec(base: Path) ->
         assert dict(container.annotations) == {"cdi.k8s.io/gpunode_2": f"{GPU}=2"}
 
 
+def stale_gpunode_spec(specs: Path, ours: Path, names: list[str]) -> None:
+    """A spec gpunode wrote (its header) that holds only `names`: the plugin regenerates only gpunode's own
+    spec, never another tool's file at that path (tests/unit/test_cdi_spec_ownership.py)."""
+    from gpunode.cdi.ownership import MARKER
+
+    made = cdinode.write_spec(specs, names)
+    ours.write_text(f"{MARKER} (stale)\n{made.read_text()}")
+    made.unlink()
+
+
 def test_the_plugin_regenerates_gpunodes_spec_at_start_and_on_sighup(base: Path) -> None:
     """gpunode's own spec (its default name in the dynamic directory) is kept true by the plugin: a stale one
     (written for GPU 0 only, as after a repartitioning) is regenerated at start from what NVML reports, so the
@@ -106,7 +148,7 @@ def test_the_plugin_regenerates_gpunodes_spec_at_start_and_on_sighup(base: Path)
     specs = base / "cdi"
     specs.mkdir()
     ours = specs / Path(default_output(GPU)).name  # gpunode-nvidia.com-gpu.yaml (JSON is YAML too)
-    cdinode.write_spec(specs, uuids("pcie-4")[:1]).rename(ours)
+    stale_gpunode_spec(specs, ours, uuids("pcie-4")[:1])
     env = {"GPUNODE_CDI_SPEC_DIRS": str(specs)}
     args = ["--device-list-strategy", "cdi-cri", "--driver-root", str(dev)]
     with (
@@ -133,7 +175,7 @@ def test_the_plugin_regenerates_gpunodes_spec_at_start_and_on_sighup(base: Path)
         reload_and_wait()
         assert ours.stat().st_mtime_ns == mtime  # nothing changed: not rewritten
 
-        cdinode.write_spec(specs, uuids("pcie-4")[:1]).rename(ours)  # stale again
+        stale_gpunode_spec(specs, ours, uuids("pcie-4")[:1])  # stale again
         reload_and_wait()
         names = {d["name"] for d in yaml.safe_load(ours.read_text())["devices"]}
         assert set(uuids("pcie-4")) <= names, plugin.log()

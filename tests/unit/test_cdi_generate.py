@@ -287,14 +287,20 @@ def test_check_finds_a_mig_change_and_renumbered_nodes(
     host = node_host(root)
     write_spec(host, generate(host, discover(host), GenerateOptions()))
     fakenvml.inject(control, "mig 0 0")  # MIG off on GPU 0: its three MIG devices are gone
-    cdinode.mknod(root / "dev/nvidia1", 195, 9)  # and a node that is not what the spec recorded
     found = findings(host)
-    detail = found["cdi.current"].detail or ""
     assert found["cdi.current"].status is Status.FAIL
-    assert "devices in the spec the node no longer has: 0:0, MIG-" in detail
-    assert "/dev/nvidia1 195:1 in the spec, /dev/nvidia1 195:9 now" in detail
+    assert "devices in the spec the node no longer has: 0:0, MIG-" in (found["cdi.current"].detail or "")
+    assert found["cdi.nodes"].status is Status.OK
+    major = cdinode.NVIDIA_MAJOR
+    cdinode.mknod(root / "dev/nvidia1", major, 9)  # and a node that is not what the spec recorded
+    found = findings(host)
+    # Not the node of GPU 1 (minor 1): no spec is made from it, and the spec's record of it is wrong too.
+    assert found["cdi.current"].status is Status.FAIL
+    assert f"/dev/nvidia1 is the device {major}:9; it must be {major}:1" in (
+        found["cdi.current"].detail or ""
+    )
     assert found["cdi.nodes"].status is Status.FAIL
-    assert "/dev/nvidia1 is 195:9, the spec says 195:1" in (found["cdi.nodes"].detail or "")
+    assert f"/dev/nvidia1 is the device {major}:9; it must be {major}:1" in (found["cdi.nodes"].detail or "")
 
 
 def _other_spec(host: Host, path: str, names: list[str]) -> None:
