@@ -481,6 +481,10 @@ def test_schema_refuses_what_the_plugin_refuses(config: dict[str, Any], where: s
         ({"driverRoot": "run/nvidia/driver"}, "/driverRoot", "pattern"),
         ({"events": {"enable": True}}, "/events", "enable"),
         ({"fullnameOverride": "Not_A_Name"}, "/fullnameOverride", "pattern"),
+        # null deletes a default in Helm: what the templates need is refused by name, not a nil pointer.
+        ({"updateStrategy": None}, "", "updateStrategy"),
+        ({"config": None}, "", "config"),
+        ({"image": None}, "", "image"),
     ],
 )
 def test_schema_refuses_typos_and_wrong_types(values: dict[str, Any], where: str, what: str) -> None:
