@@ -6,7 +6,10 @@
 - The chart is rendered by Helm's own engine (Helm v4's Go SDK, through `helm-python-sdk`'s libhelm_c: the
   code `helm template` runs; not the `helm` CLI binary, which no PyPI or Debian package ships) and linted.
 - The three forms are the same objects: deploy/ is `plugin manifest` with no config, and the chart rendered
-  with values equal to a node's config gives what `plugin manifest` prints for that node.
+  with values equal to a node's config gives what `plugin manifest` prints for that node, but for what Helm
+  does its own way: the chart creates no Namespace (`helm install --create-namespace`), adds Helm's standard
+  labels (the instance label in the selector too) and names its cluster-wide objects per namespace.
+  The chart's own conventions and its values schema: tests/integration/test_helm_chart.py.
 - The ConfigMap's plugin.toml, read by the plugin's own loader, gives the node's settings: one config
   serves the systemd service and the DaemonSet.
 """
@@ -39,7 +42,15 @@ README = REPO / "README.md"
 # The Kubernetes versions the README names (its DaemonSet paragraph); test_readme_names_these keeps them so.
 VERSIONS = [f"1.{minor}" for minor in range(28, 38)]
 # What Helm adds to every object's labels, beyond `plugin manifest`'s.
-HELM_LABELS = ("app.kubernetes.io/managed-by", "helm.sh/chart")
+HELM_LABELS = (
+    "app.kubernetes.io/managed-by",
+    "helm.sh/chart",
+    "app.kubernetes.io/instance",
+    "app.kubernetes.io/version",
+)
+# The release `plugin manifest`'s objects correspond to: the same names, in the same namespace.
+RELEASE = "gpunode-device-plugin"
+NAMESPACE = "gpunode-system"
 
 NODE_CONFIG = """\
 mig-strategy = "mixed"
@@ -56,7 +67,6 @@ recovery-quiet-period = 30.5
 """
 # The same settings as chart values (GPUNODE_PLACEMENT comes from the node's environment in the CLI case).
 NODE_VALUES: dict[str, Any] = {
-    "namespace": "gpu-plugins",
     "image": {"repository": "registry.example/gpunode-device-plugin", "tag": "0.1.0-test"},
     "driverRoot": "/run/nvidia/driver",
     "events": {"enabled": True},
@@ -85,10 +95,14 @@ def documents(text: str) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all(text) if d]
 
 
-def render_chart(values: dict[str, Any]) -> list[dict[str, Any]]:
+def render_chart(
+    values: dict[str, Any], *, name: str = RELEASE, namespace: str = NAMESPACE
+) -> list[dict[str, Any]]:
+    """The chart's objects as `helm template NAME CHART -n NAMESPACE` prints them (its values schema
+    checked first, as there)."""
     with helm_python.Chart.load(str(CHART)) as chart:
-        rendered = chart.render(values, name="gpunode-device-plugin", namespace="default", is_install=True)
-    order = ["namespace", "serviceaccount", "rbac", "configmap", "daemonset"]
+        rendered = chart.render(values, name=name, namespace=namespace, is_install=True)
+    order = ["serviceaccount", "rbac", "configmap", "daemonset"]
     names = sorted(rendered, key=lambda p: order.index(Path(p).stem) if Path(p).stem in order else 99)
     return [d for path in names if path.endswith(".yaml") for d in documents(rendered[path])]
 
@@ -113,16 +127,29 @@ def settings(toml_text: str) -> dict[str, Any]:
     return {option.key: value_of(config, option) for option in OPTIONS}
 
 
-def comparable(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The objects less what legitimately differs: Helm's labels, the TOML's layout (compared parsed),
-    and the config digest (checked to be the digest of that same object's ConfigMap text)."""
+def comparable(objects: list[dict[str, Any]], namespace: str = NAMESPACE) -> list[dict[str, Any]]:
+    """The objects less what legitimately differs: the Namespace `plugin manifest` prints (Helm's
+    --create-namespace makes it; test_helm_chart.py checks the chart has none), Helm's labels (in the
+    selector too), the cluster-wide objects' names (the chart's carry the namespace), the TOML's layout
+    (compared parsed), and the config digest (checked to be the digest of that same object's ConfigMap
+    text)."""
     texts = [o["data"]["plugin.toml"] for o in objects if o["kind"] == "ConfigMap"]
     out = []
     for original in objects:
+        if original["kind"] == "Namespace":
+            assert original["metadata"]["name"] == namespace
+            continue
         item = yaml.safe_load(yaml.safe_dump(original))  # a deep copy
         for meta in (item["metadata"], item.get("spec", {}).get("template", {}).get("metadata", {})):
             for label in HELM_LABELS:
                 meta.get("labels", {}).pop(label, None)
+        if item["kind"] == "DaemonSet":
+            for label in HELM_LABELS:
+                item["spec"]["selector"]["matchLabels"].pop(label, None)
+        if item["kind"] in ("ClusterRole", "ClusterRoleBinding"):
+            item["metadata"]["name"] = item["metadata"]["name"].removesuffix(f"-{namespace}")
+        if item["kind"] == "ClusterRoleBinding":
+            item["roleRef"]["name"] = item["roleRef"]["name"].removesuffix(f"-{namespace}")
         if item["kind"] == "ConfigMap":
             item["data"]["plugin.toml"] = settings(item["data"]["plugin.toml"])
         if item["kind"] == "DaemonSet":
@@ -291,9 +318,9 @@ def test_chart_with_a_nodes_settings_renders_what_plugin_manifest_prints(
         "/run/dp/status.json",
         GPUNODE_PLACEMENT="packed",
     )
-    rendered = render_chart(NODE_VALUES)
+    rendered = render_chart(NODE_VALUES, namespace="gpu-plugins")
     validate(rendered)
-    assert comparable(rendered) == comparable(documents(printed))
+    assert comparable(rendered, "gpu-plugins") == comparable(documents(printed), "gpu-plugins")
 
 
 def test_chart_numbers_stay_whole_in_the_toml() -> None:
@@ -343,11 +370,27 @@ def fleets_commands() -> tuple[str, list[str]]:
 
 def test_fleets_values_render_as_documented() -> None:
     values_text, lines = fleets_commands()
-    assert "helm install gpunode-device-plugin deploy/helm/gpunode-device-plugin -f values.yaml" in lines
+    [install] = [shlex.split(line) for line in lines if line.startswith("helm install ")]
+    # The release's namespace, created by Helm (the chart creates no Namespace).
+    assert install == [
+        "helm",
+        "install",
+        RELEASE,
+        "deploy/helm/gpunode-device-plugin",
+        "--namespace",
+        NAMESPACE,
+        "--create-namespace",
+        "-f",
+        "values.yaml",
+    ]
     values = yaml.safe_load(values_text)
-    rendered = render_chart(values)
+    rendered = render_chart(values, name=install[2], namespace=install[5])
     validate(rendered)
     daemonset = next(o for o in rendered if o["kind"] == "DaemonSet")
+    # The page's kubectl lines name the DaemonSet this release made, where it is.
+    where = f"kubectl -n {daemonset['metadata']['namespace']} "
+    assert f"{where}rollout status daemonset/{daemonset['metadata']['name']}" in lines
+    assert any(line.startswith(f"{where}exec daemonset/{daemonset['metadata']['name']} --") for line in lines)
     [container] = daemonset["spec"]["template"]["spec"]["containers"]
     assert container["image"] == f"{values['image']['repository']}:0.1.0"
     plugin_toml = next(o for o in rendered if o["kind"] == "ConfigMap")["data"]["plugin.toml"]

@@ -1,9 +1,46 @@
-{{/* The labels every object carries, as `gpunode plugin manifest` writes them, plus Helm's own. */}}
+{{/*
+Names, as `helm create` makes them: the release name, prefixed to the chart's name unless it already holds
+it (release "gpunode-device-plugin" -> gpunode-device-plugin; release "lab" -> lab-gpunode-device-plugin),
+so two releases never share an object's name. 63 characters at most: a DaemonSet's name goes into its
+pods' names and labels.
+*/}}
+{{- define "gpunode.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "gpunode.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := include "gpunode.name" . }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The ClusterRole and its binding are cluster-wide: the same release name in two namespaces would share
+them, so their name carries the namespace too (253 characters is a cluster-scoped name's limit). */}}
+{{- define "gpunode.clusterName" -}}
+{{- printf "%s-%s" (include "gpunode.fullname" .) .Release.Namespace | trunc 253 | trimSuffix "-" }}
+{{- end }}
+
+{{/* The DaemonSet's selector: fixed for a release's life (Kubernetes refuses a changed selector), so
+nothing here may change on upgrade (no version, no chart label). */}}
+{{- define "gpunode.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "gpunode.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/* The labels every object carries: `gpunode plugin manifest`'s, plus Helm's standard ones. */}}
 {{- define "gpunode.labels" -}}
-app.kubernetes.io/name: gpunode-device-plugin
+{{ include "gpunode.selectorLabels" . }}
 app.kubernetes.io/part-of: gpunode
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
-helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
 {{- end }}
 
 {{/*
@@ -51,3 +88,20 @@ template, rolls the pods when it changes. */}}
 {{- end }}
 {{- end }}
 {{ end }}
+
+{{/* The pod template's labels: the chart's own, then podLabels. A podLabels key the chart sets itself is
+refused rather than dropped or doubled: the selector labels must stay what the DaemonSet selects. */}}
+{{- define "gpunode.podLabels" -}}
+{{- $own := include "gpunode.labels" . | fromYaml }}
+{{- $_ := set $own "app.kubernetes.io/component" "device-plugin" }}
+{{- range $key, $value := .Values.podLabels }}
+{{- if hasKey $own $key }}
+{{- fail (printf "podLabels: %q is a label the chart sets itself (the DaemonSet's selector and Helm's standard labels); remove it from podLabels, or use nameOverride / fullnameOverride to change the names" $key) }}
+{{- end }}
+{{- end }}
+{{- include "gpunode.labels" . }}
+app.kubernetes.io/component: device-plugin
+{{- with .Values.podLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
