@@ -472,7 +472,7 @@ def read_config_file(
         # Not TOML: NVIDIA's device-plugin config (YAML or JSON, version v1) is taken as it is.
         from gpunode.plugin.nvidia_config import is_nvidia_config, read_options
 
-        if not is_nvidia_config(text):
+        if not is_nvidia_config(text, path):
             raise
         return read_options(text, path)
     found: dict[str, tuple[Any, str]] = {}

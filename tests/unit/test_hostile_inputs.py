@@ -1,0 +1,199 @@
+"""Hostile input ends in a clear error with its exit code: never a traceback (70), a hang or a memory
+blow-up. YAML bombs, deep nesting, duplicate keys, numbers of thousands of digits, garbage from programs,
+/dev/zero and FIFOs where files are read, odd API answers (issue 23)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpunode import safeyaml
+from gpunode.cli.main import main
+from gpunode.errors import ConfigError, ExitCode
+from gpunode.host import Host
+from gpunode.safeyaml import YamlRefused, load_yaml, load_yaml_nodes
+
+
+def bomb(levels: int, width: int = 9) -> str:
+    """A 'billion laughs' document: each level a list of `width` aliases of the one before."""
+    lines = ['a0: &a0 ["lol"' + ', "lol"' * (width - 1) + "]"]
+    lines += [f"a{n}: &a{n} [" + ", ".join([f"*a{n - 1}"] * width) + "]" for n in range(1, levels + 1)]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.fixture(params=["libyaml", "python"])
+def loader(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both of PyYAML's parsers: libyaml's where PyYAML has it, the pure-Python one where it does not."""
+    if request.param == "python":
+        import yaml
+
+        monkeypatch.setattr(safeyaml, "_loader_class", lambda: safeyaml._make_loader(yaml.SafeLoader))
+    return str(request.param)
+
+
+# -- the loader ------------------------------------------------------------------------------------------
+
+
+def test_a_billion_laughs_is_refused_before_it_is_expanded(loader: str) -> None:
+    text = bomb(9)
+    assert len(text) < 2000
+    with pytest.raises(YamlRefused) as err:
+        load_yaml(text, "/x.yaml")
+    assert err.value.exit_code == ExitCode.CONFIG
+    assert "more than 100,000 values" in err.value.message and "/x.yaml, line " in err.value.message
+    assert len(str(err.value)) < 500
+
+
+def test_aliases_that_stay_small_are_read(loader: str) -> None:
+    assert load_yaml(bomb(3), "/x.yaml")["a3"][0][0][0] == ["lol"] * 9
+    merged = load_yaml("base: &b {a: 1, b: 2}\nmine:\n  <<: *b\n  a: 3\n", "/x.yaml")
+    assert merged["mine"] == {"a": 3, "b": 2}  # a mapping's own key wins over a merged one: not a duplicate
+
+
+def test_an_alias_inside_its_own_anchor_is_refused(loader: str) -> None:
+    # PyYAML builds a list that contains itself: every later walk of it recurses without end.
+    with pytest.raises(YamlRefused, match=r"the alias \*x is inside the node it names"):
+        load_yaml("a: &x [1, *x]\n", "/x.yaml")
+
+
+@pytest.mark.parametrize("kind", ["flow", "block"])
+def test_deep_nesting_is_refused(loader: str, kind: str) -> None:
+    depth = 5000 if kind == "flow" else 400  # a block mapping 5,000 deep is over the size limit
+    text = "[" * depth + "]" * depth if kind == "flow" else "".join(" " * n + "a:\n" for n in range(depth))
+    with pytest.raises(YamlRefused) as err:  # refused, not tried as another format
+        load_yaml(text, "/x.yaml")
+    assert err.value.exit_code == ExitCode.CONFIG and err.value.message.startswith("/x.yaml, line ")
+
+
+def test_duplicate_keys_are_refused_with_both_lines(loader: str) -> None:
+    with pytest.raises(YamlRefused) as err:
+        load_yaml("a: 1\nb:\n  c: 2\na: 3\n", "/x.yaml")
+    assert "the key 'a' is given twice (lines 1 and 4)" in err.value.message
+    with pytest.raises(YamlRefused, match="the key 'c' is given twice"):
+        load_yaml("b: {c: 1, c: 1}\n", "/x.yaml")
+    with pytest.raises(YamlRefused, match="is given twice"):
+        load_yaml('{"a": 1, "a": 2}', "/x.json")  # JSON read as YAML too
+
+
+def test_a_number_python_cannot_hold_is_refused_without_quoting_it(loader: str) -> None:
+    with pytest.raises(YamlRefused) as err:
+        load_yaml("replicas: " + "1" * 4301 + "\n", "/x.yaml")
+    assert "4300 digits" in err.value.message and "1111111111" not in str(err.value)
+    with pytest.raises(YamlRefused, match="day is out of range"):
+        load_yaml("when: 2024-02-30\n", "/x.yaml")
+
+
+def test_a_large_document_is_refused_by_its_size_before_parsing(
+    loader: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def parse(*args: Any) -> None:
+        raise AssertionError("parsed")
+
+    monkeypatch.setattr(safeyaml, "_check_events", parse)
+    text = "a: " + "x" * (4 * 2**20)
+    with pytest.raises(YamlRefused) as err:
+        load_yaml(text, "/x.yaml")
+    assert "is 4194307 bytes, more than the 1 MiB gpunode reads as YAML" in err.value.message
+    with pytest.raises(YamlRefused, match="more than the 1 MiB"):
+        load_yaml(text.encode(), "/x.yaml")
+
+
+def test_bytes_and_syntax_errors(loader: str) -> None:
+    assert load_yaml(b"\xef\xbb\xbfa: 1\n", "/x.yaml") == {"a": 1}
+    with pytest.raises(ConfigError, match=r"/x.yaml is not UTF-8 text \(invalid start byte at byte 3\)"):
+        load_yaml(b"a: \xff\n", "/x.yaml")
+    with pytest.raises(ConfigError) as err:
+        load_yaml("token: secret-token-value\nb: [\n", "/x.yaml")
+    assert not isinstance(err.value, YamlRefused)
+    assert "/x.yaml is not valid YAML: " in err.value.message and "(line 3, column 1)" in err.value.message
+    assert "secret" not in str(err.value)  # no line quoted
+
+
+def test_nodes_come_with_the_data(loader: str) -> None:
+    data, node = load_yaml_nodes("x: &d {a: 1}\ny: {<<: *d, b: 2}\n", "/x.yaml")
+    assert data["y"] == {"a": 1, "b": 2}
+    # The node tree is the document as written: the merge key is still there (constructing flattens it).
+    assert node.value[1][1].value[0][0].tag == "tag:yaml.org,2002:merge"
+
+
+def test_messages_never_echo_a_huge_value() -> None:
+    assert safeyaml.shorten("x" * 10_000) == "x" * 80 + "... (10000 characters)"
+    with pytest.raises(YamlRefused) as err:
+        load_yaml(f"{'k' * 1000}: 1\n{'k' * 1000}: 2\n", "/x.yaml")
+    assert len(str(err.value)) < 500
+
+
+# -- NVIDIA's config: import-config, plugin run --config --------------------------------------------------
+
+
+def nvidia_file(tmp_path: Path, text: str) -> tuple[Host, str]:
+    (tmp_path / "nvidia.yaml").write_text(text)
+    return Host(root=tmp_path, env={}), "/nvidia.yaml"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["plugin", "import-config", "/nvidia.yaml"],
+        ["plugin", "run", "--config", "/nvidia.yaml", "--show-config"],
+    ],
+)
+def test_a_yaml_bomb_in_nvidias_config_is_refused_in_short(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
+    # The bomb's value where NVIDIA's reader echoes a value it refuses (a device-list strategy): before the
+    # loader's limits, the message alone held every expanded "lol" (6 levels: 4 MB; 9 levels: no end).
+    text = bomb(6) + "version: v1\nflags:\n  plugin:\n    deviceListStrategy: *a6\n"
+    host, _ = nvidia_file(tmp_path, text)
+    assert main(argv, host=host) == ExitCode.CONFIG
+    err = capsys.readouterr().err
+    assert "more than 100,000 values" in err and len(err) < 1000
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        # NVIDIA's reader keeps the last silently: a typo'd second block turned sharing off unseen.
+        ("version: v1\nflags:\n  migStrategy: none\n  migStrategy: mixed\n", "'migStrategy' is given twice"),
+        # Two sections: the walk of the first read the keys of the second (a KeyError before the loader).
+        (
+            "version: v1\nflags:\n  plugin:\n    passDeviceSpecs: true\nflags:\n  migStrategy: none\n",
+            "'flags' is given twice (lines 2 and 5)",
+        ),
+    ],
+)
+def test_duplicate_keys_in_nvidias_config_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, expected: str
+) -> None:
+    host, path = nvidia_file(tmp_path, text)
+    for argv in (["plugin", "import-config", path], ["plugin", "run", "--config", path, "--show-config"]):
+        assert main(argv, host=host) == ExitCode.CONFIG
+        assert expected in capsys.readouterr().err
+
+
+def test_a_deep_nvidia_config_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    host, path = nvidia_file(tmp_path, "version: v1\nflags: " + "[" * 5000 + "]" * 5000 + "\n")
+    assert main(["plugin", "import-config", path], host=host) == ExitCode.CONFIG
+    assert "/nvidia.yaml, line 2" in capsys.readouterr().err
+
+
+def test_a_huge_number_in_nvidias_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    text = "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - name: gpu\n      replicas: "
+    host, path = nvidia_file(tmp_path, text + "9" * 4301 + "\n")
+    assert main(["plugin", "import-config", path], host=host) == ExitCode.CONFIG
+    err = capsys.readouterr().err
+    assert "holds a value gpunode cannot read" in err and "9999999999" not in err
+
+
+def test_a_kubeconfig_bomb_or_duplicate_is_refused(tmp_path: Path) -> None:
+    from gpunode.kube.credentials import _parse_yaml
+
+    host = Host(root=tmp_path, env={})
+    (tmp_path / "kubeconfig").write_text(bomb(9) + "clusters: []\n")
+    with pytest.raises(YamlRefused, match=r"^kubeconfig /kubeconfig, line \d+: more than 100,000 values"):
+        _parse_yaml(host, "/kubeconfig")
+    (tmp_path / "kubeconfig").write_text("users: []\nusers:\n- name: a\n")
+    with pytest.raises(YamlRefused, match="the key 'users' is given twice"):
+        _parse_yaml(host, "/kubeconfig")
