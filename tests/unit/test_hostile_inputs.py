@@ -4,6 +4,8 @@ blow-up. YAML bombs, deep nesting, duplicate keys, numbers of thousands of digit
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -197,3 +199,66 @@ def test_a_kubeconfig_bomb_or_duplicate_is_refused(tmp_path: Path) -> None:
     (tmp_path / "kubeconfig").write_text("users: []\nusers:\n- name: a\n")
     with pytest.raises(YamlRefused, match="the key 'users' is given twice"):
         _parse_yaml(host, "/kubeconfig")
+
+
+# -- files that never end or never open: Host.read_bytes ---------------------------------------------------
+
+
+def special_files(tmp_path: Path) -> dict[str, str]:
+    """Host paths under tmp_path of a FIFO with no writer (open would wait for one) and of /dev/zero (a
+    read never ends): made with mkfifo and mknod, as root (the test run is)."""
+    (tmp_path / "dev").mkdir(exist_ok=True)
+    os.mkfifo(tmp_path / "dev" / "fifo")
+    os.mknod(tmp_path / "dev" / "zero", 0o666 | stat.S_IFCHR, os.makedev(1, 5))
+    return {"fifo": "/dev/fifo", "zero": "/dev/zero"}
+
+
+@pytest.mark.parametrize("kind", ["fifo", "zero"])
+def test_read_bytes_refuses_what_is_not_a_regular_file(tmp_path: Path, kind: str) -> None:
+    path = special_files(tmp_path)[kind]
+    with pytest.raises(ConfigError, match=f"^{path} is not a regular file where a file was expected"):
+        Host(root=tmp_path).read_bytes(path)
+
+
+def test_read_bytes_refuses_a_file_over_the_limit(tmp_path: Path) -> None:
+    from gpunode.host import MAX_READ
+
+    with (tmp_path / "big").open("wb") as fh:
+        fh.truncate(MAX_READ + 1)  # sparse: no disk used
+    with pytest.raises(ConfigError, match=r"^/big is larger than 8 MiB"):
+        Host(root=tmp_path).read_bytes("/big")
+    (tmp_path / "small").write_bytes(b"\xff\x00")
+    assert Host(root=tmp_path).read_bytes("/small") == b"\xff\x00"
+    assert Host(root=tmp_path).read_bytes("/missing") is None
+
+
+@pytest.mark.parametrize("kind", ["fifo", "zero"])
+def test_a_token_file_that_never_ends_is_refused(tmp_path: Path, kind: str) -> None:
+    from gpunode.kube import resolve_credentials
+
+    path = special_files(tmp_path)[kind]
+    config = tmp_path / "root" / ".kube" / "config"
+    config.parent.mkdir(parents=True)
+    config.write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
+        "clusters:\n- name: k\n  cluster: {server: 'https://10.0.0.1:6443'}\n"
+        f"users:\n- name: u\n  user: {{tokenFile: {path}}}\n"
+        "contexts:\n- name: c\n  context: {cluster: k, user: u}\n"
+    )
+    host = Host(root=tmp_path, env={"HOME": "/root"}, euid=0)
+    with pytest.raises(ConfigError, match="is not a regular file"):
+        resolve_credentials(host)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "zero"])
+def test_an_ld_cache_that_never_ends_is_taken_as_no_cache(tmp_path: Path, kind: str) -> None:
+    from gpunode.cdi.hostfacts import LD_CACHE, Roots, find_libraries
+
+    path = special_files(tmp_path)[kind]
+    (tmp_path / "etc").mkdir()
+    os.symlink(path, tmp_path / LD_CACHE.lstrip("/"))  # a link inside the root: /dev/... of the root
+    lib = tmp_path / "usr" / "lib"
+    lib.mkdir(parents=True)
+    (lib / "libcuda.so.550.54").write_bytes(b"")
+    found = find_libraries(Host(root=tmp_path), Roots(), "550.54", loaded_nvml=["/usr/lib/libnvidia-ml.so.1"])
+    assert found == ("/usr/lib/libcuda.so.550.54",)  # found next to NVML's library, as with no cache
