@@ -262,3 +262,88 @@ def test_an_ld_cache_that_never_ends_is_taken_as_no_cache(tmp_path: Path, kind: 
     (lib / "libcuda.so.550.54").write_bytes(b"")
     found = find_libraries(Host(root=tmp_path), Roots(), "550.54", loaded_nvml=["/usr/lib/libnvidia-ml.so.1"])
     assert found == ("/usr/lib/libcuda.so.550.54",)  # found next to NVML's library, as with no cache
+
+
+# -- numbers of thousands of digits, digits int() refuses, JSON nested thousands deep ----------------------
+
+HUGE = "9" * 4301  # one past int()'s 4,300-digit limit: a ValueError, not a number
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "expected"),
+    [
+        ("GPUNODE_REPLICAS", HUGE, "is not a whole number of at least 1"),
+        ("GPUNODE_REPLICAS", "²", "'²' is not a whole number"),  # isdigit() says yes, int() says no
+        ("GPUNODE_TIME_SLICING_RESOURCES", "[" * 5000 + "]" * 5000, "JSON nested too deeply"),
+        ("GPUNODE_TIME_SLICING_RESOURCES", f'[{{"name": "gpu", "replicas": {HUGE}}}]', "not a JSON list"),
+        ("GPUNODE_METRICS_ADDRESS", "127.0.0.1:²", "is not HOST:PORT"),
+    ],
+)
+def test_hostile_plugin_variables(
+    *,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    variable: str,
+    value: str,
+    expected: str,
+) -> None:
+    monkeypatch.setenv(variable, value)  # the plugin's settings come from the process's environment
+    assert main(["plugin", "run", "--show-config"], host=Host(root=tmp_path, env={})) == ExitCode.CONFIG
+    err = capsys.readouterr().err
+    assert expected in err and len(err) < 600  # the value is never echoed whole
+
+
+@pytest.mark.parametrize("argv", [["--replicas", HUGE], [f"--replicas={HUGE}"]])
+def test_a_huge_replicas_flag_is_a_usage_error_quoted_short(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
+    from gpunode.plugin.argv import parse
+
+    assert parse(argv) is None  # the fast parser leaves it to click, which words the error
+    assert main(["plugin", "run", *argv, "--show-config"], host=Host(root=tmp_path, env={})) == ExitCode.USAGE
+    err = capsys.readouterr().err
+    assert "(4301 characters) is not a valid integer" in err and len(err) < 400
+
+
+def test_version_parsers_take_garbage_as_unknown() -> None:
+    from gpunode.runtimes.containerd import parse_containerd_version
+    from gpunode.runtimes.docker import parse_dockerd_version
+    from gpunode.runtimes.k3s import parse_release
+
+    garbage = "\ufffd\ufffd\x00\ufffd"  # what undecodable bytes become when decoded with errors="replace"
+    for text in (f"containerd x v{HUGE}.1.2", f"containerd {garbage}", "containerd x v\u0661.\u0667.0", ""):
+        assert parse_containerd_version(text) is None
+    assert parse_containerd_version(f"containerd {garbage} v1.7.24 {garbage}") == (1, 7)
+    for text in (
+        f"k3s version v{HUGE}.1.2+k3s1",
+        f"k3s {garbage}",
+        "k3s version v\u0661.\u0663\u0663.\u0661",
+    ):
+        assert parse_release(text) is None
+    assert parse_release(f"k3s version v1.33.1+k3s1 ({garbage})") == (1, 33, 1)
+    assert parse_dockerd_version(f"Docker version {HUGE}.1, build x") is None
+    assert parse_dockerd_version(f"Docker version 28.5.2{garbage}, build x") == (28, 5)
+
+
+def test_mps_pid_files_with_garbage_are_no_pid() -> None:
+    from gpunode.plugin.mps import _pid
+
+    assert [_pid(t) for t in ("1234\n", "²", HUGE, "", "-1", "12 34")] == [1234, None, None, None, None, None]
+
+
+@pytest.mark.parametrize("text", ["[" * 100_000 + "]" * 100_000, '{"resources": [' + HUGE + "]}", "\ufffd{"])
+def test_json_state_files_with_hostile_content_are_not_a_crash(tmp_path: Path, text: str) -> None:
+    from gpunode import kubelet, paths
+    from gpunode.plugin import statusfile
+    from gpunode.runtimes import records
+
+    host = Host(root=tmp_path, env={})
+    for path in (paths.PLUGIN_STATUS_FILE, records.RECORDS, kubelet.KUBELET_CHECKPOINT):
+        (tmp_path / path.lstrip("/")).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path.lstrip("/")).write_text(text)
+    with pytest.raises(ConfigError, match="is damaged"):
+        records.load(host)
+    assert kubelet.registered_resources(host) == []
+    found = statusfile.find(host, flag=paths.PLUGIN_STATUS_FILE, env={}, unit="u", unit_properties={})
+    assert found.problem is not None and len(found.problem) < 400
