@@ -144,7 +144,7 @@ def _yaml_text(text: str) -> str:
 
     try:
         json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested thousands deep (found by fuzzing)
         return text
     return text.expandtabs()
 
