@@ -390,6 +390,17 @@ class Host:
     def read_text(self, host_path: str) -> str:
         """Read a text file. Missing, unreadable, not a regular file, too large, or not UTF-8: each
         raises a clear error naming the file."""
+        data = self._read_regular(host_path)
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ConfigError(
+                f"{host_path} is not a UTF-8 text file ({exc.reason} at byte {exc.start})"
+            ) from exc
+
+    def _read_regular(self, host_path: str) -> bytes:
+        """The bytes of a regular file of at most MAX_READ bytes: a FIFO would block the read (or wait
+        for a writer on open), a device such as /dev/zero would never end."""
         local = self.path(host_path)
         try:
             # O_NONBLOCK: opening a FIFO must not wait for a writer; it is refused just below.
@@ -411,12 +422,7 @@ class Host:
             data = fh.read(MAX_READ + 1)
         if len(data) > MAX_READ:
             raise ConfigError(f"{host_path} is larger than {MAX_READ // 2**20} MiB; refusing to parse it")
-        try:
-            return data.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise ConfigError(
-                f"{host_path} is not a UTF-8 text file ({exc.reason} at byte {exc.start})"
-            ) from exc
+        return data
 
     def read_text_if_exists(self, host_path: str) -> str | None:
         try:
@@ -570,14 +576,12 @@ class Host:
         return self.path(host_path)
 
     def read_bytes(self, host_path: str) -> bytes | None:
-        """A file's exact bytes (to compare byte for byte); None when it does not exist."""
+        """A file's exact bytes (to compare byte for byte); None when it does not exist. The guards of
+        read_text: a FIFO, a device (/dev/zero) or a file over MAX_READ is refused, never read."""
         try:
-            with _permission("read", host_path):
-                return self.path(host_path).read_bytes()
-        except FileNotFoundError:
+            return self._read_regular(host_path)
+        except NotFound:
             return None
-        except IsADirectoryError as exc:
-            raise ConfigError(f"{host_path} is a directory where a file was expected") from exc
 
     def remove_file(self, host_path: str) -> bool:
         """Delete a file (durably: the directory is fsynced). False when it was not there.

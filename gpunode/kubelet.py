@@ -104,7 +104,7 @@ def registered_resources(host: Host) -> list[str]:
         return []
     try:
         data = json.loads(text)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # not JSON, a number of 4,300+ digits, or nested thousands deep
         return []
     registered = data.get("Data", {}).get("RegisteredDevices", {}) if isinstance(data, dict) else {}
     return sorted(registered) if isinstance(registered, dict) else []

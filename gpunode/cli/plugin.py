@@ -27,6 +27,16 @@ def _flag(flag: str, env: str, text: str, metavar: str, type_: Any = None) -> Ca
     return click.option(flag, metavar=metavar, type=type_, help=f"{text} (env {env})")
 
 
+class _Int(click.types.IntParamType):
+    """click's INT, quoting at most 80 characters of a value it refuses (a number of 5,000 digits, which
+    int() refuses, was echoed whole)."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and len(value) > 80:
+            self.fail(f"{value[:40]!r}... ({len(value)} characters) is not a valid integer", param, ctx)
+        return super().convert(value, param, ctx)
+
+
 def _switch(flag: str, env: str, text: str) -> Callable[[F], F]:
     # None when not given: the environment and the config file decide then.
     name = flag.removeprefix("--")
@@ -105,7 +115,7 @@ def _switch(flag: str, env: str, text: str) -> Callable[[F], F]:
     "GPUNODE_REPLICAS",
     "Time-slicing: replicas per GPU (default 1: no sharing).",
     "N",
-    click.INT,
+    _Int(),
 )
 @_switch("--rename-by-default", "GPUNODE_RENAME_BY_DEFAULT", "Advertise shared GPUs as <resource>.shared.")
 @_switch(

@@ -74,7 +74,7 @@ def _unmonitored_gpus(host: Host) -> Iterable[Finding]:
 
     try:
         document = json.loads(host.read_text_if_exists(paths.PLUGIN_STATUS_FILE) or "{}")
-    except (GpunodeError, ValueError):
+    except (GpunodeError, ValueError, RecursionError):  # RecursionError: JSON nested thousands deep
         return
     gpus = document.get("unmonitored") if isinstance(document, dict) else None
     if not gpus or not isinstance(gpus, list):
@@ -99,7 +99,7 @@ def _down_resources(host: Host) -> Iterable[Finding]:
 
     try:
         document = json.loads(host.read_text_if_exists(paths.PLUGIN_STATUS_FILE) or "{}")
-    except (GpunodeError, ValueError):
+    except (GpunodeError, ValueError, RecursionError):  # RecursionError: JSON nested thousands deep
         return
     resources = document.get("resources") if isinstance(document, dict) else None
     down = [r for r in resources or [] if isinstance(r, dict) and r.get("down")]

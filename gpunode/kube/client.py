@@ -299,7 +299,7 @@ class KubeClient:
             raise _scrubbed(self._status_error(response, op), self._secrets())
         try:
             body = response.json()
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or JSON nested thousands deep
             body = None
         if not isinstance(body, dict):
             raise ApiError(
@@ -307,6 +307,14 @@ class KubeClient:
                 "than a Kubernetes object: is it a Kubernetes API server?",
                 f"check the server URL ({self.credentials.source})",
             )
+        if op.resource.startswith("nodes"):
+            problem = _node_problem(body)
+            if problem is not None:
+                raise ApiError(
+                    f"the server at {_redact(response.url)} answered a Node whose {problem}, which no "
+                    "Kubernetes API server sends: is it one (or a proxy that changes answers)?",
+                    f"check the server URL ({self.credentials.source})",
+                )
         return body
 
     def _request(
@@ -761,11 +769,40 @@ def _one_line(text: str, limit: int = 300) -> str:
     return flat if len(flat) <= limit else flat[: limit - 1] + "…"
 
 
+def _node_problem(node: Mapping[str, Any]) -> str | None:
+    """What makes this answer no Node gpunode can read (the API's schema: metadata and status objects,
+    labels, annotations, capacity and allocatable maps of strings, conditions a list); None if nothing.
+    Checked here once, so that a bad answer is an API error (exit 9), not a crash in each reader."""
+    for part in ("metadata", "status"):
+        value = node.get(part)
+        if value is not None and not isinstance(value, dict):
+            return f"{part} is not an object"
+    for part, field in (
+        ("metadata", "labels"),
+        ("metadata", "annotations"),
+        ("status", "capacity"),
+        ("status", "allocatable"),
+    ):
+        value = (node.get(part) or {}).get(field)
+        if value is None:
+            continue
+        if not isinstance(value, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+        ):
+            return f"{part}.{field} is not a map of strings"
+    conditions = (node.get("status") or {}).get("conditions")
+    if conditions is not None and not (
+        isinstance(conditions, list) and all(isinstance(c, dict) for c in conditions)
+    ):
+        return "status.conditions is not a list of objects"
+    return None
+
+
 def _status_body(response: Answer) -> dict[str, Any]:
     """The Kubernetes Status an error answer carries; {} for anything else (a proxy's HTML page)."""
     try:
         body = response.json()
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or JSON nested thousands deep
         return {}
     return body if isinstance(body, dict) else {}
 

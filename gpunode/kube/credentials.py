@@ -337,24 +337,12 @@ def _load(host: Host, paths: list[str], how: str | None) -> _Kubeconfig:
 
 
 def _parse_yaml(host: Host, path: str) -> Mapping[str, Any]:
-    import yaml
+    from gpunode.safeyaml import load_yaml
 
-    text = host.read_text(path)
-    invalid: ConfigError | None = None
-    try:
-        document = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # noqa: S506
-    except yaml.MarkedYAMLError as exc:
-        # Only the problem and the position: the exception's own text quotes the line, which may hold a
-        # token.
-        mark = exc.problem_mark
-        at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
-        invalid = ConfigError(f"kubeconfig {path} is not valid YAML: {exc.problem or 'syntax error'}{at}")
-    except yaml.YAMLError:
-        invalid = ConfigError(f"kubeconfig {path} is not valid YAML")
-    if invalid is not None:
-        # Raised out here: raised in the except clause, the YAML error (and the line it quotes) would stay
-        # attached as __context__, `from None` only hides it from the traceback.
-        raise invalid
+    # The safe loader's errors name the problem and its line, never quote the line (it may hold a token).
+    # Kubeconfigs embed certificates and may merge many clusters: a larger size is let through than for
+    # other YAML; depth and expansion are bounded as for every file.
+    document = load_yaml(host.read_text(path), f"kubeconfig {path}", max_bytes=4 * 2**20)
     if document is None:
         return {}
     if not isinstance(document, dict):

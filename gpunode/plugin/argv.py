@@ -67,8 +67,10 @@ def parse(args: Sequence[str]) -> RunArgs | None:
         if flag in _OWN:
             setattr(parsed, _OWN[flag], value)
         elif values[flag] == "replicas":
-            if not (value.isascii() and value.isdigit()):
-                return None  # click's INT type decides what else is a number, and words the error
+            if not (value.isascii() and value.isdigit() and len(value) <= 9):
+                # click's type decides what else is a number, and words the error (int() itself refuses
+                # over 4,300 digits with a ValueError)
+                return None
             parsed.flags["replicas"] = int(value)
         else:
             parsed.flags[values[flag]] = value

@@ -117,11 +117,25 @@ def _bool(value: Any, where: str) -> bool:
     raise ConfigError(f"{where}: {value!r} is not a boolean (true or false)")
 
 
+def _digits(text: str) -> int | None:
+    """The number a plain decimal string (ASCII digits, at most 18 of them) stands for; None otherwise.
+    str.isdigit() also takes digits int() refuses ('²'), and int() raises ValueError past 4,300 digits: no
+    count or size gpunode takes has 19 digits."""
+    text = text.strip()
+    return int(text) if text.isascii() and text.isdigit() and len(text) <= 18 else None
+
+
+def _quoted(value: Any) -> str:
+    """repr(value) for a message, cut to a readable length (an environment variable may hold anything)."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
+
+
 def _positive_int(value: Any, where: str) -> int:
-    if isinstance(value, str) and value.strip().isdigit():
-        value = int(value.strip())
+    if isinstance(value, str) and _digits(value) is not None:
+        value = _digits(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{where}: {value!r} is not a whole number of at least 1")
+        raise ConfigError(f"{where}: {_quoted(value)} is not a whole number of at least 1")
     return value
 
 
@@ -187,9 +201,9 @@ def _xids(value: Any, where: str) -> frozenset[int]:
         raise ConfigError(f"{where}: expected a list of Xid numbers, got {value!r}")
     out: set[int] = set()
     for item in items:
-        number = int(item) if isinstance(item, str) and item.isdigit() else item
+        number = _digits(item) if isinstance(item, str) else item
         if isinstance(number, bool) or not isinstance(number, int) or number < 0:
-            raise ConfigError(f"{where}: {item!r} is not an Xid number")
+            raise ConfigError(f"{where}: {_quoted(item)} is not an Xid number")
         out.add(number)
     return frozenset(out)
 
@@ -199,10 +213,16 @@ def _json_list(value: Any, where: str) -> list[Any]:
     if isinstance(value, str):
         try:
             value = json.loads(value) if value.strip() else []
-        except ValueError as err:
-            raise ConfigError(f"{where}: not a JSON list ({err})", "write it as JSON: [...]") from None
+        except ValueError as err:  # a syntax error, or a number of over 4,300 digits
+            raise ConfigError(
+                f"{where}: not a JSON list ({_quoted(str(err))})", "write it as JSON: [...]"
+            ) from None
+        except RecursionError:
+            raise ConfigError(
+                f"{where}: JSON nested too deeply to read", "write it as a list of tables: [{...}]"
+            ) from None
     if not isinstance(value, list):
-        raise ConfigError(f"{where}: expected a list, got {value!r}")
+        raise ConfigError(f"{where}: expected a list, got {_quoted(value)}")
     return value
 
 
@@ -283,7 +303,7 @@ def _channel_ids(value: Any, where: str) -> tuple[int, ...]:
         if text.startswith("[") or not text:
             items = _json_list(text, where)
         else:
-            items = [int(p) if p.strip().isdigit() else p.strip() for p in text.split(",")]
+            items = [_digits(p) if _digits(p) is not None else p.strip() for p in text.split(",")]
     # NVIDIA's plugin takes only [] or [0] (api/config/v1/imex.go, AssertChannelIDsValid).
     if not isinstance(items, list) or items not in ([], [0]) or any(isinstance(i, bool) for i in items):
         raise ConfigError(
@@ -293,16 +313,18 @@ def _channel_ids(value: Any, where: str) -> tuple[int, ...]:
 
 
 def _percentage(value: Any, where: str) -> int:
-    if isinstance(value, str) and value.strip().isdigit():
-        value = int(value.strip())
+    if isinstance(value, str) and _digits(value) is not None:
+        value = _digits(value)
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 100:
         raise ConfigError(
-            f"{where}: {value!r} is not a percentage from 1 to 100", "give e.g. 25; 0 means 100 / replicas"
+            f"{where}: {_quoted(value)} is not a percentage from 1 to 100",
+            "give e.g. 25; 0 means 100 / replicas",
         )
     return value
 
 
-_SIZE = re.compile(r"^\s*(\d+)\s*(|m|mi|mib|mb|g|gi|gib|gb)\s*$", re.IGNORECASE)
+# ASCII digits, at most 18 (int() refuses past 4,300 digits, and \d takes every script's digits).
+_SIZE = re.compile(r"^\s*([0-9]{1,18})\s*(|m|mi|mib|mb|g|gi|gib|gb)\s*$", re.IGNORECASE)
 
 
 def _mebibytes(value: Any, where: str) -> int:
@@ -315,7 +337,8 @@ def _mebibytes(value: Any, where: str) -> int:
     match = _SIZE.match(value) if isinstance(value, str) else None
     if match is None:
         raise ConfigError(
-            f"{where}: {value!r} is not a memory size", 'give MiB (10240) or a size such as "10G" or "512M"'
+            f"{where}: {_quoted(value)} is not a memory size",
+            'give MiB (10240) or a size such as "10G" or "512M"',
         )
     number, unit = int(match.group(1)), match.group(2).lower()
     return number * 1024 if unit.startswith("g") else number
@@ -332,12 +355,12 @@ def _listen_address(value: Any, where: str) -> str:
     text = value if isinstance(value, str) else ""
     host, colon, port = text.rpartition(":")
     bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    if not colon or not bare or (":" in bare and not host.startswith("[")) or not port.isdigit():
+    if not colon or not bare or (":" in bare and not host.startswith("[")) or _digits(port) is None:
         raise ConfigError(
-            f"{where}: {value!r} is not HOST:PORT",
+            f"{where}: {_quoted(value)} is not HOST:PORT",
             'write e.g. "127.0.0.1:9402", "0.0.0.0:9402" or "[::1]:9402"; "" turns metrics off',
         )
-    if not 0 < int(port) < 65536:
+    if not 0 < int(port) < 65536:  # plain digits, checked just above
         raise ConfigError(f"{where}: port {port} is not between 1 and 65535")
     return text
 
@@ -472,7 +495,7 @@ def read_config_file(
         # Not TOML: NVIDIA's device-plugin config (YAML or JSON, version v1) is taken as it is.
         from gpunode.plugin.nvidia_config import is_nvidia_config, read_options
 
-        if not is_nvidia_config(text):
+        if not is_nvidia_config(text, path):
             raise
         return read_options(text, path)
     found: dict[str, tuple[Any, str]] = {}

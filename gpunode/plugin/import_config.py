@@ -36,7 +36,7 @@ def render(text: str, path: str) -> str:
     )
     from gpunode.plugin.nvidia_config import is_nvidia_config, translate
 
-    if not is_nvidia_config(text):
+    if not is_nvidia_config(text, path):
         raise ConfigError(
             f"{path} is not NVIDIA's device-plugin config (a YAML or JSON mapping with version: v1)",
             "give the file NVIDIA's plugin reads (--config-file, or the ConfigMap's content)",

@@ -176,7 +176,14 @@ def _parent_of(pid: int) -> int | None:
         return None
     # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after the last ")".
     fields = text.rpartition(")")[2].split()
-    return int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else None
+    return _pid(fields[1]) if len(fields) > 1 else None
+
+
+def _pid(text: str) -> int | None:
+    """A PID written as text; None for anything else: isdigit() also takes digits int() refuses ('²'),
+    and int() raises past 4,300 digits (a pid file is anyone's to write garbage into)."""
+    text = text.strip()
+    return int(text) if text.isascii() and text.isdigit() and len(text) <= 10 else None
 
 
 def _peer_pid(path: str) -> int | None:
@@ -223,7 +230,7 @@ class MpsDaemon:
         if owner is None:
             return None
         text = self.host.read_text_if_exists(posixpath.join(self.spec.pipe_dir, PID_FILE)) or ""
-        recorded = int(text.strip()) if text.strip().isdigit() else None
+        recorded = _pid(text)
         owner_runs_it = _alive(owner) and _is_control_program(owner)
         if (
             recorded is not None
@@ -243,7 +250,7 @@ class MpsDaemon:
         text = self.host.read_text_if_exists(posixpath.join(self.spec.root, RECORD))
         try:
             data = json.loads(text) if text else None
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or JSON nested thousands deep
             return None
         return data if isinstance(data, dict) else None
 
@@ -684,7 +691,7 @@ def read_records(host: Host, root: str) -> list[DaemonSpec]:
                     int(data["active_thread_percentage"]),
                     tuple(int(m) for m in data["pinned_limits_mib"]),
                 )
-            except (ValueError, TypeError, KeyError):
+            except (ValueError, TypeError, KeyError, RecursionError):  # not a record gpunode wrote
                 continue
             if spec.root == posixpath.join(root, domain, name):  # a record copied elsewhere is not ours
                 out.append(spec)

@@ -144,20 +144,22 @@ def _yaml_text(text: str) -> str:
 
     try:
         json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested thousands deep (found by fuzzing)
         return text
     return text.expandtabs()
 
 
-def is_nvidia_config(text: str) -> bool:
+def is_nvidia_config(text: str, path: str = "the file") -> bool:
     """Whether text (already found not to be TOML) is NVIDIA's config: a YAML or JSON mapping with
-    `version`, or with nothing but NVIDIA's top-level keys."""
-    import yaml
+    `version`, or with nothing but NVIDIA's top-level keys. A document refused for its size, depth or
+    expansion is refused here (YamlRefused), not tried as something else."""
+    from gpunode.safeyaml import YamlRefused, load_yaml
 
-    text = _yaml_text(text)
     try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError:
+        data = load_yaml(_yaml_text(text), path)
+    except YamlRefused:
+        raise
+    except ConfigError:
         return False
     return isinstance(data, dict) and ("version" in data or (bool(data) and set(data) <= set(_SCHEMA)))
 
@@ -179,16 +181,11 @@ def read_options(text: str, path: str) -> dict[str, tuple[Any, str]]:
 def translate(text: str, path: str) -> list[Setting]:
     """Every key of the file with the gpunode option it becomes; ConfigError for anything gpunode cannot
     take as NVIDIA's plugin would (an unknown key, a bad value, MPS sharing)."""
-    import yaml
+    from gpunode.safeyaml import load_yaml_nodes
 
-    text = _yaml_text(text)
-    try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" (line {mark.line + 1})" if mark is not None else ""
-        raise ConfigError(f"{path} is neither TOML nor YAML/JSON{where}: {err}", f"correct {path}") from None
+    # Duplicate keys are refused by the loader: NVIDIA's reader keeps the last silently, and the walk
+    # below reads each key's value from the data by the name it has in the node tree.
+    data, root = load_yaml_nodes(_yaml_text(text), path)
     if not isinstance(data, dict) or root is None:
         raise ConfigError(f"{path}: NVIDIA's config is a mapping of version, flags, ...", f"correct {path}")
     settings: list[Setting] = []

@@ -141,8 +141,8 @@ def find(
         lookup.found = place
         try:
             loaded = json.loads(text)
-        except ValueError as err:
-            lookup.problem = f"{place.path} is not JSON ({err})"
+        except (ValueError, RecursionError) as err:  # RecursionError: JSON nested thousands deep
+            lookup.problem = f"{place.path} is not JSON ({str(err)[:200]})"
             return lookup
         if not isinstance(loaded, dict):
             lookup.problem = f"{place.path} is not a plugin status document"

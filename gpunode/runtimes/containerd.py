@@ -150,9 +150,11 @@ def cri_table_path(version: int) -> tuple[str, ...]:
 
 
 def parse_containerd_version(output: str) -> tuple[int, int] | None:
-    """(major, minor) from `containerd --version`: the first word that looks like [v]X.Y[.Z...]."""
+    """(major, minor) from `containerd --version`: the first word that looks like [v]X.Y[.Z...]. None for
+    anything else, garbage and U+FFFD (undecodable bytes) included: ASCII digits only, at most 9 each (\\d
+    takes every script's digits, and int() raises past 4,300 of them)."""
     for word in output.split()[1:]:
-        found = re.match(r"v?(\d+)\.(\d+)(?:[.~+-]|$)", word)
+        found = re.match(r"v?([0-9]{1,9})\.([0-9]{1,9})(?:[.~+-]|$)", word)
         if found:
             return int(found.group(1)), int(found.group(2))
     return None

@@ -136,7 +136,8 @@ def find_nvidia_runtime(runtimes: Mapping[str, Mapping[str, Any]], default: str)
 
 def parse_dockerd_version(output: str) -> tuple[int, int] | None:
     """(major, minor) from `dockerd --version`: "Docker version 28.5.2+dfsg4, build 3ef3c07"."""
-    found = re.search(r"\bversion v?(\d+)\.(\d+)", output)
+    # ASCII digits, at most 9 each: \d takes every script's digits, and int() raises past 4,300 of them.
+    found = re.search(r"\bversion v?([0-9]{1,9})\.([0-9]{1,9})(?![0-9])", output)
     return (int(found.group(1)), int(found.group(2))) if found else None
 
 

@@ -94,7 +94,8 @@ class Layout:
 
 def parse_release(output: str) -> tuple[int, int, int] | None:
     """(1, 33, 1) from `k3s version v1.33.1+k3s1 (99d91538)` or `rke2 version v1.33.1+rke2r1 (...)`."""
-    found = re.search(r"\bv?(\d+)\.(\d+)\.(\d+)", output)
+    # ASCII digits, at most 9 each: \d takes every script's digits, and int() raises past 4,300 of them.
+    found = re.search(r"\bv?([0-9]{1,9})\.([0-9]{1,9})\.([0-9]{1,9})(?![0-9])", output)
     return (int(found.group(1)), int(found.group(2)), int(found.group(3))) if found else None
 
 

@@ -105,7 +105,7 @@ def _check_docker(host: Host, plan: RuntimePlan) -> tuple[bool, str]:
     runtimes_json, _, default = result.stdout.strip().partition("\t")
     try:
         runtimes = json.loads(runtimes_json)
-    except ValueError:
+    except (ValueError, RecursionError):
         return False, f"`docker info` printed something unexpected: {result.stdout.strip()[:200]}"
     return _expected(plan, set(runtimes), default.strip(), "dockerd")
 

@@ -476,7 +476,7 @@ def _read_record(host: Host) -> dict[str, str]:
         return {}
     try:
         loaded = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or JSON nested thousands deep
         return {}
     return {str(k): str(v) for k, v in loaded.items()} if isinstance(loaded, dict) else {}
 

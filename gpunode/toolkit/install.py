@@ -467,6 +467,11 @@ def read_record(host: Host) -> dict[str, Any]:
             f"{RECORD_PATH} is not valid JSON ({exc.msg}, line {exc.lineno})",
             "restore it from a backup, or delete it (gpunode then no longer removes the repository files)",
         ) from exc
+    except (ValueError, RecursionError):  # a number of over 4,300 digits, or JSON nested thousands deep
+        raise ConfigError(
+            f"{RECORD_PATH} is not a gpunode toolkit record (a number or nesting no record has)",
+            f"delete {RECORD_PATH}",
+        ) from None
     if not isinstance(loaded, dict) or not isinstance(loaded.get("files", {}), dict):
         raise ConfigError(f"{RECORD_PATH} is not a gpunode toolkit record", f"delete {RECORD_PATH}")
     return loaded

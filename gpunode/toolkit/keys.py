@@ -69,7 +69,7 @@ def parse_key(data: bytes, source: str) -> PublicKey:
         # Every block, not just the first: a second key appended to a trusted one must be seen (and refused).
         text = stripped.decode("ascii", "replace")
         blocks = text.split(_ARMOR_BEGIN)[1:] or [text]
-        packets = b"".join(_dearmor((_ARMOR_BEGIN + block).encode("ascii"), source) for block in blocks)
+        packets = b"".join(_dearmor(_ARMOR_BEGIN + block, source) for block in blocks)
     elif data and data[0] & 0x80:
         packets = data
     else:
@@ -176,8 +176,9 @@ def _short_reason(exc: Exception) -> str:
     return text.split(": ", 1)[-1][:200]
 
 
-def _dearmor(data: bytes, source: str) -> bytes:
-    text = data.decode("ascii", "replace")
+def _dearmor(text: str, source: str) -> bytes:
+    # Text, not bytes: the armor was decoded with U+FFFD for every non-ASCII byte, which bytes could not
+    # hold again (encoding it back raised UnicodeEncodeError: exit 70 for a key with one stray byte).
     begin = text.find(_ARMOR_BEGIN)
     end = text.find(_ARMOR_END)
     if begin < 0 or end < begin:
@@ -255,6 +256,8 @@ def _packets(data: bytes, source: str) -> list[tuple[int, bytes]]:
 def _fingerprint(body: bytes, source: str) -> str:
     version = body[0] if body else 0
     if version == 4:
+        if len(body) > 0xFFFF:  # the v4 fingerprint hashes a 2-byte length: no v4 key is larger
+            raise SigningKeyError(f"{source}: the key's OpenPGP packets are corrupt (a v4 key over 64 KiB)")
         return hashlib.sha1(b"\x99" + len(body).to_bytes(2, "big") + body).hexdigest().upper()  # noqa: S324 (the v4 fingerprint is SHA-1 by definition)
     if version == 6:
         return hashlib.sha256(b"\x9b" + len(body).to_bytes(4, "big") + body).hexdigest().upper()
