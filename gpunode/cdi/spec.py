@@ -316,53 +316,15 @@ def parse(text: str, where: str) -> Spec:
         except ValueError as exc:
             raise ConfigError(f"{where} is not valid JSON: {one_line(exc)}", fix) from exc
     else:
-        data = _load_yaml(text, where)
+        from gpunode import safeyaml
+
+        # The one bounded loader (depth, aliases expanded, duplicate keys): a 2 KB file of nested aliases is
+        # a billion values to whoever walks it.
+        data = safeyaml.load_yaml(text, where, max_bytes=MAX_SPEC_BYTES)
     if not isinstance(data, dict):
         raise ConfigError(f"{where} is not a CDI spec (not a mapping)", fix)
     if where.endswith(".json"):
         _check_bounds_json(data, where)
-    return data
-
-
-def _load_yaml(text: str, where: str) -> Any:
-    """YAML with libyaml's parser where PyYAML has it, after one pass over its events that refuses a document
-    nested or (aliases expanded) sized past the bounds: a 2 KB file of nested aliases is a billion values to
-    whoever walks it. Kept small on purpose: the shared loader (gpunode/safeyaml.py) can replace it."""
-    import yaml
-
-    loader: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-    fix = f"fix or remove {where}"
-    sizes: dict[str, int] = {}  # anchor -> how many values it names
-    open_nodes: list[tuple[str | None, int]] = []  # (anchor, count at its start) of each open collection
-    count = 0
-    try:
-        for event in yaml.parse(text, Loader=loader):
-            if isinstance(event, yaml.AliasEvent):
-                if any(event.anchor == anchor for anchor, _ in open_nodes):
-                    raise ConfigError(f"{where} is not a CDI spec: a YAML alias inside its own anchor", fix)
-                count += sizes.get(event.anchor or "", 1)
-            elif isinstance(event, yaml.ScalarEvent):
-                count += 1
-                if event.anchor:
-                    sizes[event.anchor] = 1
-            elif isinstance(event, yaml.CollectionStartEvent):
-                count += 1
-                open_nodes.append((event.anchor, count - 1))
-                if len(open_nodes) > MAX_DEPTH:
-                    raise ConfigError(f"{where} is not a CDI spec: nested more than {MAX_DEPTH} deep", fix)
-            elif isinstance(event, yaml.CollectionEndEvent) and open_nodes:
-                anchor, began = open_nodes.pop()
-                if anchor:
-                    sizes[anchor] = count - began
-            if count > MAX_VALUES:
-                raise ConfigError(
-                    f"{where} is not a CDI spec: more than {MAX_VALUES} values (YAML aliases expanded)", fix
-                )
-        data = yaml.load(text, Loader=loader)  # noqa: S506 (a safe loader, libyaml's where present)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{where} is not valid YAML: {one_line(exc)}", fix) from exc
-    except (ValueError, OverflowError, RecursionError) as exc:  # a 5,000-digit int, a 13th month
-        raise ConfigError(f"{where} is not a CDI spec: {one_line(exc)}", fix) from exc
     return data
 
 
