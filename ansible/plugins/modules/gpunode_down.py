@@ -12,7 +12,7 @@ options:
   toolkit: {description: "also remove nvidia-container-toolkit and its repository files", type: bool, default: false}
   node: {description: "node name to withdraw from", type: str}
   kubeconfig: {description: "kubeconfig file on the target (default gpunode's search: $KUBECONFIG, ~/.kube/config, kubelet.conf, k3s/RKE2's, in-cluster)", type: path}
-  kubeconfig_content: {description: "the kubeconfig itself (a secret: never logged or returned); written to a private temp file for the run", type: str}
+  kubeconfig_content: {description: "the kubeconfig itself (a secret: never logged or returned); written for the run to a file private to root (/run/gpunode-ansible, under root with I(root)) and removed", type: str}
   context: {description: "kubeconfig context", type: str}
   server: {description: "API server URL overriding the kubeconfig's", type: str}
   request_timeout: {description: "per-request timeout, as kubectl: 30, 10s, 1m", type: str}

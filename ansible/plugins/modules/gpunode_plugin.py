@@ -11,7 +11,7 @@ description:
 options:
   state: {description: "present installs (and starts) the service, absent stops and removes it", type: str, default: present, choices: [present, absent]}
   config: {description: "a plugin config on the target to install as /etc/gpunode/plugin.toml (gpunode's TOML or NVIDIA's device-plugin config)", type: path}
-  config_content: {description: "the plugin config's text instead (e.g. from a template): given to gpunode as a temp file, so check mode plans with it", type: str}
+  config_content: {description: "the plugin config's text instead (e.g. from a template): given to gpunode as the file /run/gpunode-ansible/config_content (under I(root) with root), so check mode plans with it and a second run changes nothing", type: str}
   start: {description: "start the service now (false installs and enables it only)", type: bool, default: true}
   gpunode_path: {description: "the gpunode command; default PATH, then /usr/local/bin and /opt/gpunode/bin", type: path}
   root: {description: "gpunode's C(--root)", type: path}
@@ -33,7 +33,17 @@ from ansible_collections.gpunode.gpunode.plugins.module_utils.gpunode import (
     common_argument_spec,
     file_diffs,
     finish,
+    read_files,
     run_gpunode,
+)
+
+# Every file plugin install writes and plugin uninstall removes (gpunode/systemd/service.py): read before the
+# run, they are the diff's real "before".
+FILES = (
+    "/etc/systemd/system/gpunode-device-plugin.service",
+    "/etc/gpunode/plugin.toml",
+    "/etc/systemd/system/gpunode-doctor-metrics.service",
+    "/etc/systemd/system/gpunode-doctor-metrics.timer",
 )
 
 
@@ -55,14 +65,15 @@ def main():
         command = ["plugin", "install"]
         if not p["start"]:
             command.append("--no-start")
-    with ContentFile(module, "config_content", "gpunode-plugin-config-") as content:
+    before = read_files(module, FILES) if module._diff else {}
+    with ContentFile(module, "config_content") as content:
         config = content.path or p["config"]
         if p["state"] == "present" and config:
             command += ["--config", config]
         argv, rc, doc, stderr = run_gpunode(module, command)
     verb = "would be" if doc.get("dry_run") else ("is now" if doc.get("changed") else "is already")
     msg = "the device plugin service {} {}".format(verb, "removed" if p["state"] == "absent" else "installed")
-    finish(module, argv, rc, doc, stderr, msg=msg, diff=file_diffs(doc))
+    finish(module, argv, rc, doc, stderr, msg=msg, diff=file_diffs(doc, before))
 
 
 if __name__ == "__main__":

@@ -55,6 +55,17 @@ from ansible_collections.gpunode.gpunode.plugins.module_utils.gpunode import (
     run_gpunode,
 )
 
+# gpunode's --revert and --remove end with exit status 6 (not found) and a message ending like this when
+# there is nothing to undo; other exit-6 errors (a --config file that does not exist) end otherwise. The
+# document has no field of its own for it, so the message is what tells them apart.
+NOTHING_TO_UNDO = (": nothing to revert", ": nothing to remove")
+
+
+def nothing_to_undo(document):
+    error = document.get("error") or {}
+    message = error.get("message") or ""
+    return error.get("exit_code") == 6 and message.endswith(NOTHING_TO_UNDO)
+
 
 def main():
     spec = common_argument_spec()
@@ -101,6 +112,18 @@ def main():
     # --yes: the restart is what a play asks for; under --json gpunode would refuse to ask instead.
     command.append("--yes")
     argv, rc, doc, stderr = run_gpunode(module, command)
+    if p["state"] in ("reverted", "absent") and nothing_to_undo(doc):
+        # The wanted state (no change of gpunode's, no nvidia runtime) is already there: that is ok, not a
+        # failure, and nothing changed. gpunode's document is returned as it is.
+        module.exit_json(
+            changed=False,
+            failed=False,
+            rc=rc,
+            cmd=argv,
+            gpunode=doc,
+            restart_pending=False,
+            msg="already {}: {}".format(p["state"], doc["error"]["message"]),
+        )
     files = [f["path"] for f in doc.get("files") or [] if f.get("action") != "unchanged"]
     if doc.get("dry_run"):
         msg = "would change {}".format(", ".join(files)) if files else "nothing to change"
