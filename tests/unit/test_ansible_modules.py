@@ -11,8 +11,11 @@ the run, and nowhere in the results.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import re
+import shutil
 import stat
 import subprocess
 import sys
@@ -580,6 +583,25 @@ def test_every_module_is_documented_for_ansible_doc(tmp_path: Path) -> None:
         assert all(set(r) == {"description", "returned", "type"} for r in page["return"].values()), name
     for name in ("gpunode_node", "gpunode_up", "gpunode_down"):
         assert "kubeconfig_content" in docs[f"gpunode.gpunode.{name}"]["doc"]["options"]
+    for name, page in docs.items():
+        # Ansible's module conventions: what check and diff mode do, the platform, what the target needs.
+        attributes = page["doc"]["attributes"]
+        assert attributes["check_mode"]["support"] == "full", name
+        assert attributes["diff_mode"]["support"] == ("none" if name.endswith("_doctor") else "full"), name
+        assert attributes["platform"]["platforms"] == "posix", name
+        assert page["doc"]["requirements"] and page["doc"]["notes"], name
+    # The role's variables, from meta/argument_specs.yml, each with the default defaults/main.yml sets.
+    role = subprocess.run(
+        [str(tool), "-t", "role", "--json", "gpunode.gpunode.gpu_node"],
+        env=env, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert role.returncode == 0, role.stderr
+    options = json.loads(role.stdout)["gpunode.gpunode.gpu_node"]["entry_points"]["main"]["options"]
+    defaults = yaml.safe_load((REPO / "ansible/roles/gpu_node/defaults/main.yml").read_text())
+    assert set(options) == set(defaults)
+    for variable, value in defaults.items():
+        assert options[variable].get("default") == value, variable
+    assert options["gpunode_kubeconfig_content"]["no_log"] is True
 
 
 # The real gpunode, through the modules, on a node under a temp root (the modules' `root`): containerd's
@@ -774,3 +796,65 @@ def test_every_module_run_twice_changes_nothing_the_second_time(real_node: RealN
         assert again["runtime_reverted"]["msg"].startswith("already reverted: "), again["runtime_reverted"]
         assert again["runtime_absent"]["msg"].startswith("already absent: "), again["runtime_absent"]
         assert real_node.files() == after_undo, "a run with nothing to undo wrote a file"
+
+
+# ansible-test sanity, as Ansible's own collections run it: the tests that need no network but PyPI. Not
+# pylint (its pinned requirements are large and it judges style ruff already judges), pslint and shellcheck
+# (no PowerShell or shell code here), changelog (no changelog fragments: the collection has none).
+SANITY_TESTS = (
+    "validate-modules", "ansible-doc", "yamllint", "pep8", "import", "runtime-metadata", "compile",
+    "shebang", "line-endings", "no-assert", "empty-init", "symlinks", "no-smart-quotes",
+    "use-argspec-type-path", "action-plugin-docs", "no-illegal-filenames", "use-compat-six",
+    "replace-urlopen", "no-get-exception", "ignores",
+)  # fmt: skip
+# ansible-test installs each test's pinned requirements (from PyPI) in a virtualenv of its own, bootstrapping
+# pip there with a get-pip script it downloads from ci-files.testing.ansible.com, which is not reachable
+# here. It reads that script from its cache first (its own message says to put it there); this stand-in
+# does what get-pip does with the pip that Python ships (ensurepip), offline.
+GET_PIP = "import ensurepip\n\nensurepip.bootstrap(upgrade=True)\n"
+
+
+def test_ansible_test_sanity(tmp_path: Path) -> None:
+    tool = BIN / "ansible-test"
+    if not os.access(tool, os.X_OK):
+        why = f"{tool} is missing: ansible-core is in the [dev] extras (./install.sh --dev)"
+        if os.environ.get("CI"):
+            pytest.fail(why)
+        pytest.skip(why)
+    spec = importlib.util.find_spec("ansible_test")
+    assert spec is not None and spec.origin is not None
+    requirements = Path(spec.origin).parent / "_internal" / "python_requirements.py"
+    match = re.search(r"pip='([0-9.]+)'", requirements.read_text())
+    assert match, f"no pip version in {requirements}"
+    home = tmp_path / "home"
+    cache = home / ".ansible" / "test" / "cache"
+    cache.mkdir(parents=True)
+    (cache / f"get_pip_{match[1].replace('.', '_')}.py").write_text(GET_PIP)
+    # ansible-test runs in a collection's own tree: ansible_collections/<namespace>/<name>/, a copy (it
+    # refuses a tree reached through a link, and writes tests/output there).
+    collection = tmp_path / "ansible_collections" / "gpunode" / "gpunode"
+    shutil.copytree(
+        REPO / "ansible", collection, ignore=shutil.ignore_patterns("__pycache__", "tests/output")
+    )
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    tests = [arg for name in SANITY_TESTS for arg in ("--test", name)]
+    env = {"PATH": f"{BIN}:{os.environ.get('PATH', '/usr/bin:/bin')}", "HOME": str(home), "LANG": "C.UTF-8"}
+    run = subprocess.run(
+        [str(tool), "sanity", "--local", "--python", version, "--color", "no", *tests],
+        cwd=collection, env=env, capture_output=True, text=True, timeout=1800, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    for name in SANITY_TESTS:
+        assert f'Running sanity test "{name}"' in run.stdout, (name, run.stdout)
+    assert "Skipping" not in run.stdout + run.stderr, run.stdout + run.stderr
+    # Every ignored check says why, and only the licence header is ignored.
+    for line in (collection / "tests/sanity" / f"ignore-{_ansible_version()}.txt").read_text().splitlines():
+        entry, _, why = line.partition(" # ")
+        assert entry.endswith("validate-modules:missing-gplv3-license") and why, line
+
+
+def _ansible_version() -> str:
+    from ansible.release import __version__
+
+    major, minor, *_ = __version__.split(".")
+    return f"{major}.{minor}"
