@@ -10,9 +10,11 @@ reports nothing to change).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
-import tempfile
+import stat
 
 # Where install.sh puts the command (its link, and the virtualenv behind it), after PATH.
 SEARCH_DIRS = ["/usr/local/bin", "/opt/gpunode/bin"]
@@ -56,33 +58,107 @@ def find_gpunode(module):
     return found
 
 
-class ContentFile:
-    """A parameter's text (kubeconfig_content, a plugin config_content) written to a private temp file on
-    the target for the length of one gpunode run, so gpunode gets a path, never the text as an argument."""
+# Where a parameter's text (config_content, kubeconfig_content) is put for one gpunode run: a directory
+# only root may write in (/run), at a name that does not change from run to run. Not a random temp name:
+# gpunode names the file it was given in what it writes (the header of a plugin.toml translated from
+# NVIDIA's YAML), so a random name would rewrite that file on every run. Under `root` it is made inside the
+# root, because gpunode reads every path under --root.
+CONTENT_DIR = "/run/gpunode-ansible"
 
-    def __init__(self, module, param, prefix):
+
+class ContentFile:
+    """A parameter's text written to CONTENT_DIR/<param> (mode 0600, in a 0700 directory) for the length of
+    one gpunode run, so gpunode gets a path, never the text as an argument.
+
+    The directory is locked (flock) while the file exists, so two runs on one host take turns rather than
+    overwrite each other's file; the last one out removes the directory.
+    """
+
+    def __init__(self, module, param):
         self.module = module
         self.param = param
-        self.prefix = prefix
-        self.path = None
+        self.path = None  # the host path gpunode is given (inside --root)
+        self._dir_fd = None
+        self._directory = None
 
     def __enter__(self):
         content = self.module.params.get(self.param)
-        if content:
-            # mkstemp makes it 0600: only root (the module's user) can read it.
-            fd, self.path = tempfile.mkstemp(prefix=self.prefix)
-            with os.fdopen(fd, "w") as handle:
-                handle.write(content)
+        if not content:
+            return self
+        root = self.module.params.get("root") or "/"
+        run_dir = os.path.join(root, "run")
+        # gpunode resolves links inside the root; Python would follow an absolute link out of it. Only a
+        # plain directory is used, so both mean the same place.
+        if not os.path.isdir(run_dir) or os.path.realpath(run_dir) != os.path.join(
+            os.path.realpath(root), "run"
+        ):
+            self.module.fail_json(
+                msg=f"{self.param}: {run_dir} is not a directory (or is a link); the text is given to "
+                "gpunode as a file there",
+                fix=f"create the directory {run_dir} (mode 0755, owned by root), or put the text in a file "
+                "inside the root and give its path instead",
+                rc=None,
+            )
+        self._directory = os.path.join(run_dir, os.path.basename(CONTENT_DIR))
+        self._dir_fd = self._lock_directory()
+        # O_NOFOLLOW: a link left in our private directory is refused, never written through.
+        fd = os.open(
+            self.param, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600, dir_fd=self._dir_fd
+        )
+        with os.fdopen(fd, "w") as handle:
+            handle.write(content)
+        self.path = f"{CONTENT_DIR}/{self.param}"
         return self
 
+    def _lock_directory(self):
+        directory = self._directory
+        while True:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(directory, 0o700)
+            try:
+                fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+            except OSError as error:
+                self.module.fail_json(
+                    msg=f"{self.param}: {directory} cannot be used: {error.strerror}",
+                    fix=f"remove {directory} (gpunode's Ansible modules make it, private to root, for a run)",
+                    rc=None,
+                )
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            held = os.fstat(fd)
+            try:
+                now = os.lstat(directory)
+            except FileNotFoundError:
+                now = None
+            if now is not None and (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
+                break
+            # The run before us removed the directory while we waited for its lock: make it again.
+            os.close(fd)
+        if held.st_uid != os.geteuid() or stat.S_IMODE(held.st_mode) & 0o077:
+            os.close(fd)
+            self.module.fail_json(
+                msg=f"{self.param}: {directory} is not private to this user (owner uid {held.st_uid}, "
+                f"mode {stat.S_IMODE(held.st_mode):04o}): another user could read or replace the text "
+                "given to gpunode",
+                fix=f"remove {directory} (gpunode's Ansible modules make it, private to root, for one run)",
+                rc=None,
+            )
+        return fd
+
     def __exit__(self, *exc):
-        if self.path:
-            os.unlink(self.path)
+        if self._dir_fd is None:
+            return False
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.param, dir_fd=self._dir_fd)
+        # Empty now, unless another run of ours waits for the lock: it notices and makes it again.
+        with contextlib.suppress(OSError):
+            os.rmdir(self._directory)
+        os.close(self._dir_fd)  # releases the lock
+        self._dir_fd = None
         return False
 
 
 def Kubeconfig(module):  # named like the class it returns: `with Kubeconfig(module) as kubeconfig`
-    return ContentFile(module, "kubeconfig_content", "gpunode-kubeconfig-")
+    return ContentFile(module, "kubeconfig_content")
 
 
 def kube_args(module, kubeconfig_file=None):
@@ -188,9 +264,54 @@ def finish(
     module.exit_json(**result)
 
 
-def file_diffs(document):
+def _inside_root(root, path):
+    """The local path of host `path` under `root`, with every link resolved inside the root as gpunode
+    resolves it (an absolute link target means the root's own file, not this machine's)."""
+    real_root = os.path.realpath(root)
+    parts = [p for p in path.split("/") if p]
+    current = real_root
+    hops = 0
+    while parts:
+        part = parts.pop(0)
+        if part == "..":
+            current = os.path.dirname(current) if current != real_root else real_root
+            continue
+        if part == ".":
+            continue
+        candidate = os.path.join(current, part)
+        if os.path.islink(candidate):
+            hops += 1
+            if hops > 40:
+                return None
+            target = os.readlink(candidate)
+            if target.startswith("/"):
+                current = real_root
+            parts = [p for p in target.split("/") if p] + parts
+            continue
+        current = candidate
+    return current
+
+
+def read_files(module, paths):
+    """{path: text or None} for host paths as they are now (under `root`): the "before" of a diff, read
+    before gpunode runs. None for a file that is not there or cannot be read as text."""
+    root = module.params.get("root") or "/"
+    texts = {}
+    for path in paths:
+        local = _inside_root(root, path)
+        try:
+            with open(local, encoding="utf-8") as handle:
+                texts[path] = handle.read()
+        except (OSError, TypeError, UnicodeDecodeError):
+            texts[path] = None
+    return texts
+
+
+def file_diffs(document, before=None):
     """Ansible diff entries for the files a document lists: gpunode's own unified diffs (configure-runtime,
-    toolkit) as `prepared`, and whole file contents (plugin install) as before/after."""
+    toolkit) as `prepared`; whole contents (plugin install, uninstall) as before/after, the before being the
+    file as `before` (read_files, taken before the run) found it."""
+    before = before or {}
     diffs = []
     for entry in document.get("files") or []:
         action = entry.get("action")
@@ -200,17 +321,24 @@ def file_diffs(document):
         if entry.get("diff"):
             diffs.append({"prepared": entry["diff"]})
         elif "content" in entry:
-            # plugin install: a new file has no before; a replaced one's old content is not in the
-            # document, so the header says so instead of showing a wrong "before".
-            before = "" if action == "create" else f"(previous content of {path})\n"
             diffs.append(
-                {"before_header": path, "after_header": path, "before": before, "after": entry["content"]}
+                {
+                    "before_header": path,
+                    "after_header": path,
+                    "before": before.get(path) or "",
+                    "after": entry["content"],
+                }
             )
         else:
             diffs.append({"prepared": f"{path}: {action}\n"})
     for path in document.get("remove") or []:
         diffs.append(
-            {"before_header": path, "after_header": f"{path} (removed)", "before": f"{path}\n", "after": ""}
+            {
+                "before_header": path,
+                "after_header": f"{path} (removed)",
+                "before": before.get(path) or "",
+                "after": "",
+            }
         )
     return diffs
 

@@ -7,13 +7,43 @@ DOCUMENTATION = r"""
 module: gpunode_doctor
 short_description: gpunode doctor's checks and verdict as facts
 description:
-  - Runs C(gpunode doctor --json) (read-only, also in check mode) and sets the fact C(gpunode_doctor) with C(healthy), C(counts) and C(checks) (id, status, summary, detail, fix).
-  - An unhealthy node is a finding, not a failure, unless I(fail_on_unhealthy) is set; then the task fails and names the failed checks and their fixes.
+  - Runs C(gpunode doctor --json) (read-only, also in check mode) and sets the fact C(gpunode_doctor) with C(healthy),
+    C(counts) and C(checks) (id, status, summary, detail, fix).
+  - An unhealthy node is a finding, not a failure, unless I(fail_on_unhealthy) is set; then the task fails and names
+    the failed checks and their fixes.
 options:
-  fail_on_unhealthy: {description: "fail the task when a check failed", type: bool, default: false}
-  gpunode_path: {description: "the gpunode command; default PATH, then /usr/local/bin and /opt/gpunode/bin", type: path}
-  root: {description: "gpunode's C(--root)", type: path}
-author: gpunode developers
+  fail_on_unhealthy:
+    description: fail the task when a check failed
+    type: bool
+    default: false
+  gpunode_path:
+    description: the gpunode command; default PATH, then /usr/local/bin and /opt/gpunode/bin
+    type: path
+  root:
+    description: gpunode's C(--root)
+    type: path
+extends_documentation_fragment:
+  - ansible.builtin.action_common_attributes
+attributes:
+  check_mode:
+    support: full
+    details: 'runs as in a normal run: doctor only reads'
+  diff_mode:
+    support: none
+    details: 'read-only: it reports, and changes nothing to show'
+  platform:
+    support: full
+    platforms: posix
+    details: Linux targets where gpunode runs (Debian, Ubuntu, RHEL and compatible, SUSE)
+requirements:
+  - gpunode on the target (C(./install.sh) from the gpunode checkout), found on PATH, in /usr/local/bin or /opt/gpunode/bin,
+    or given as I(gpunode_path)
+  - root on the target (C(become)) for anything but check mode, as gpunode itself requires
+notes:
+  - The module reads gpunode's one C(--json) document (docs/json.md), never its text; C(changed) is gpunode's own,
+    so a second run with the same arguments reports C(changed=false) and writes nothing.
+  - On failure the result carries gpunode's C(msg), C(fix) and C(exit_code), and the whole document under C(gpunode).
+author: gpunode developers (@gpunode)
 """
 
 EXAMPLES = r"""
@@ -23,9 +53,18 @@ EXAMPLES = r"""
 """
 
 RETURN = r"""
-ansible_facts: {description: "C(gpunode_doctor) with healthy, counts and checks", returned: always, type: dict}
-failed_checks: {description: "ids of the checks that failed", returned: always, type: list}
-rc: {description: "gpunode's exit status (1 when unhealthy)", returned: always, type: int}
+ansible_facts:
+  description: C(gpunode_doctor) with healthy, counts and checks
+  returned: always
+  type: dict
+failed_checks:
+  description: ids of the checks that failed
+  returned: always
+  type: list
+rc:
+  description: gpunode's exit status (1 when unhealthy)
+  returned: always
+  type: int
 """
 
 from ansible.module_utils.basic import AnsibleModule

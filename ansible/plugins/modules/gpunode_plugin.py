@@ -7,15 +7,58 @@ DOCUMENTATION = r"""
 module: gpunode_plugin
 short_description: Install or uninstall gpunode's device plugin service
 description:
-  - Runs C(gpunode plugin install|uninstall --json); check mode adds C(--dry-run); diff mode shows the unit and config files written and the files removed.
+  - Runs C(gpunode plugin install|uninstall --json); check mode adds C(--dry-run); diff mode shows the unit and
+    config files written and the files removed.
 options:
-  state: {description: "present installs (and starts) the service, absent stops and removes it", type: str, default: present, choices: [present, absent]}
-  config: {description: "a plugin config on the target to install as /etc/gpunode/plugin.toml (gpunode's TOML or NVIDIA's device-plugin config)", type: path}
-  config_content: {description: "the plugin config's text instead (e.g. from a template): given to gpunode as a temp file, so check mode plans with it", type: str}
-  start: {description: "start the service now (false installs and enables it only)", type: bool, default: true}
-  gpunode_path: {description: "the gpunode command; default PATH, then /usr/local/bin and /opt/gpunode/bin", type: path}
-  root: {description: "gpunode's C(--root)", type: path}
-author: gpunode developers
+  state:
+    description: present installs (and starts) the service, absent stops and removes it
+    type: str
+    default: present
+    choices:
+      - present
+      - absent
+  config:
+    description: a plugin config on the target to install as /etc/gpunode/plugin.toml (gpunode's TOML or NVIDIA's
+      device-plugin config)
+    type: path
+  config_content:
+    description: 'the plugin config''s text instead (e.g. from a template): given to gpunode as the file /run/gpunode-ansible/config_content
+      (under I(root) with root), so check mode plans with it and a second run changes nothing'
+    type: str
+  start:
+    description: start the service now (false installs and enables it only)
+    type: bool
+    default: true
+  gpunode_path:
+    description: the gpunode command; default PATH, then /usr/local/bin and /opt/gpunode/bin
+    type: path
+  root:
+    description: gpunode's C(--root)
+    type: path
+extends_documentation_fragment:
+  - ansible.builtin.action_common_attributes
+attributes:
+  check_mode:
+    support: full
+    details: 'C(--dry-run): gpunode plans, nothing is touched; C(changed) says whether the plan has something to
+      do'
+  diff_mode:
+    support: full
+    details: 'the unit and config files: their real text on the target before, and what gpunode writes; a removed
+      file''s text'
+  platform:
+    support: full
+    platforms: posix
+    details: Linux targets where gpunode runs (Debian, Ubuntu, RHEL and compatible, SUSE)
+requirements:
+  - gpunode on the target (C(./install.sh) from the gpunode checkout), found on PATH, in /usr/local/bin or /opt/gpunode/bin,
+    or given as I(gpunode_path)
+  - root on the target (C(become)) for anything but check mode, as gpunode itself requires
+notes:
+  - The module reads gpunode's one C(--json) document (docs/json.md), never its text; C(changed) is gpunode's own,
+    so a second run with the same arguments reports C(changed=false) and writes nothing.
+  - On failure the result carries gpunode's C(msg), C(fix) and C(exit_code), and the whole document under C(gpunode).
+author: gpunode developers (@gpunode)
 """
 
 EXAMPLES = r"""
@@ -24,7 +67,10 @@ EXAMPLES = r"""
 """
 
 RETURN = r"""
-gpunode: {description: "gpunode's document (gpunode.plugin-install/v1 or plugin-uninstall/v1)", returned: always, type: dict}
+gpunode:
+  description: gpunode's document (gpunode.plugin-install/v1 or plugin-uninstall/v1)
+  returned: always
+  type: dict
 """
 
 from ansible.module_utils.basic import AnsibleModule
@@ -33,7 +79,17 @@ from ansible_collections.gpunode.gpunode.plugins.module_utils.gpunode import (
     common_argument_spec,
     file_diffs,
     finish,
+    read_files,
     run_gpunode,
+)
+
+# Every file plugin install writes and plugin uninstall removes (gpunode/systemd/service.py): read before the
+# run, they are the diff's real "before".
+FILES = (
+    "/etc/systemd/system/gpunode-device-plugin.service",
+    "/etc/gpunode/plugin.toml",
+    "/etc/systemd/system/gpunode-doctor-metrics.service",
+    "/etc/systemd/system/gpunode-doctor-metrics.timer",
 )
 
 
@@ -55,14 +111,15 @@ def main():
         command = ["plugin", "install"]
         if not p["start"]:
             command.append("--no-start")
-    with ContentFile(module, "config_content", "gpunode-plugin-config-") as content:
+    before = read_files(module, FILES) if module._diff else {}
+    with ContentFile(module, "config_content") as content:
         config = content.path or p["config"]
         if p["state"] == "present" and config:
             command += ["--config", config]
         argv, rc, doc, stderr = run_gpunode(module, command)
     verb = "would be" if doc.get("dry_run") else ("is now" if doc.get("changed") else "is already")
     msg = "the device plugin service {} {}".format(verb, "removed" if p["state"] == "absent" else "installed")
-    finish(module, argv, rc, doc, stderr, msg=msg, diff=file_diffs(doc))
+    finish(module, argv, rc, doc, stderr, msg=msg, diff=file_diffs(doc, before))
 
 
 if __name__ == "__main__":

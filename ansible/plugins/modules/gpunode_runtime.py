@@ -13,23 +13,76 @@ options:
   runtime:
     description: docker, containerd or crio. Default, gpunode's choice (the one kubelet uses).
     type: str
-    choices: [docker, containerd, crio]
+    choices:
+      - docker
+      - containerd
+      - crio
   state:
-    description: C(present) configures, C(reverted) puts back the file as it was (C(--revert)), C(absent) takes the runtime out of configuration gpunode did not write (C(--remove)).
+    description: C(present) configures, C(reverted) puts back the file as it was (C(--revert)), C(absent) takes
+      the runtime out of configuration gpunode did not write (C(--remove)). Where there is nothing to undo (no change
+      of gpunode's to revert, no nvidia runtime to remove), the wanted state is there, so the task is ok with C(changed=false).
     type: str
     default: present
-    choices: [present, reverted, absent]
-  config: {description: "the configuration file (C(--config))", type: path}
-  set_as_default: {description: "make it the default runtime", type: bool, default: false}
-  cdi: {description: "enable CDI where the runtime supports it", type: bool, default: false}
-  runtime_path: {description: "the nvidia-container-runtime binary", type: path}
-  runtime_name: {description: "the runtime's name (default nvidia)", type: str}
-  drop_in: {description: "containerd/CRI-O drop-in file to write", type: path}
-  in_place: {description: "edit the main file itself", type: bool, default: false}
-  restart: {description: "restart the runtime and check it came back; default gpunode's (on, unless config points elsewhere)", type: bool}
-  gpunode_path: {description: "the gpunode command; default PATH, then /usr/local/bin and /opt/gpunode/bin", type: path}
-  root: {description: "gpunode's C(--root) (an image or chroot)", type: path}
-author: gpunode developers
+    choices:
+      - present
+      - reverted
+      - absent
+  config:
+    description: the configuration file (C(--config))
+    type: path
+  set_as_default:
+    description: make it the default runtime
+    type: bool
+    default: false
+  cdi:
+    description: enable CDI where the runtime supports it
+    type: bool
+    default: false
+  runtime_path:
+    description: the nvidia-container-runtime binary
+    type: path
+  runtime_name:
+    description: the runtime's name (default nvidia)
+    type: str
+  drop_in:
+    description: containerd/CRI-O drop-in file to write
+    type: path
+  in_place:
+    description: edit the main file itself
+    type: bool
+    default: false
+  restart:
+    description: restart the runtime and check it came back; default gpunode's (on, unless config points elsewhere)
+    type: bool
+  gpunode_path:
+    description: the gpunode command; default PATH, then /usr/local/bin and /opt/gpunode/bin
+    type: path
+  root:
+    description: gpunode's C(--root) (an image or chroot)
+    type: path
+extends_documentation_fragment:
+  - ansible.builtin.action_common_attributes
+attributes:
+  check_mode:
+    support: full
+    details: 'C(--dry-run): gpunode plans, nothing is touched; C(changed) says whether the plan has something to
+      do'
+  diff_mode:
+    support: full
+    details: gpunode's unified diff of every file it writes
+  platform:
+    support: full
+    platforms: posix
+    details: Linux targets where gpunode runs (Debian, Ubuntu, RHEL and compatible, SUSE)
+requirements:
+  - gpunode on the target (C(./install.sh) from the gpunode checkout), found on PATH, in /usr/local/bin or /opt/gpunode/bin,
+    or given as I(gpunode_path)
+  - root on the target (C(become)) for anything but check mode, as gpunode itself requires
+notes:
+  - The module reads gpunode's one C(--json) document (docs/json.md), never its text; C(changed) is gpunode's own,
+    so a second run with the same arguments reports C(changed=false) and writes nothing.
+  - On failure the result carries gpunode's C(msg), C(fix) and C(exit_code), and the whole document under C(gpunode).
+author: gpunode developers (@gpunode)
 """
 
 EXAMPLES = r"""
@@ -40,11 +93,26 @@ EXAMPLES = r"""
 """
 
 RETURN = r"""
-gpunode: {description: "gpunode's JSON document (schema gpunode.configure-runtime/v1)", returned: always, type: dict}
-rc: {description: "gpunode's exit status", returned: always, type: int}
-cmd: {description: "the argument list gpunode ran with", returned: always, type: list}
-fix: {description: "gpunode's fix for the error", returned: failure, type: str}
-restart_pending: {description: "the runtime still has to be restarted for the change to take effect", returned: always, type: bool}
+gpunode:
+  description: gpunode's JSON document (schema gpunode.configure-runtime/v1)
+  returned: always
+  type: dict
+rc:
+  description: gpunode's exit status
+  returned: always
+  type: int
+cmd:
+  description: the argument list gpunode ran with
+  returned: always
+  type: list
+fix:
+  description: gpunode's fix for the error
+  returned: failure
+  type: str
+restart_pending:
+  description: the runtime still has to be restarted for the change to take effect
+  returned: always
+  type: bool
 """
 
 from ansible.module_utils.basic import AnsibleModule
@@ -54,6 +122,17 @@ from ansible_collections.gpunode.gpunode.plugins.module_utils.gpunode import (
     finish,
     run_gpunode,
 )
+
+# gpunode's --revert and --remove end with exit status 6 (not found) and a message ending like this when
+# there is nothing to undo; other exit-6 errors (a --config file that does not exist) end otherwise. The
+# document has no field of its own for it, so the message is what tells them apart.
+NOTHING_TO_UNDO = (": nothing to revert", ": nothing to remove")
+
+
+def nothing_to_undo(document):
+    error = document.get("error") or {}
+    message = error.get("message") or ""
+    return error.get("exit_code") == 6 and message.endswith(NOTHING_TO_UNDO)
 
 
 def main():
@@ -101,6 +180,18 @@ def main():
     # --yes: the restart is what a play asks for; under --json gpunode would refuse to ask instead.
     command.append("--yes")
     argv, rc, doc, stderr = run_gpunode(module, command)
+    if p["state"] in ("reverted", "absent") and nothing_to_undo(doc):
+        # The wanted state (no change of gpunode's, no nvidia runtime) is already there: that is ok, not a
+        # failure, and nothing changed. gpunode's document is returned as it is.
+        module.exit_json(
+            changed=False,
+            failed=False,
+            rc=rc,
+            cmd=argv,
+            gpunode=doc,
+            restart_pending=False,
+            msg="already {}: {}".format(p["state"], doc["error"]["message"]),
+        )
     files = [f["path"] for f in doc.get("files") or [] if f.get("action") != "unchanged"]
     if doc.get("dry_run"):
         msg = "would change {}".format(", ".join(files)) if files else "nothing to change"

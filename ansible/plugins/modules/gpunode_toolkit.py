@@ -7,17 +7,61 @@ DOCUMENTATION = r"""
 module: gpunode_toolkit
 short_description: Install or remove nvidia-container-toolkit with gpunode toolkit install|uninstall
 description:
-  - Runs C(gpunode toolkit install|uninstall --json --yes); check mode adds C(--dry-run), diff mode shows the repository files' diffs.
+  - Runs C(gpunode toolkit install|uninstall --json --yes); check mode adds C(--dry-run), diff mode shows the repository
+    files' diffs.
 options:
-  state: {description: "present installs, absent uninstalls", type: str, default: present, choices: [present, absent]}
-  version: {description: "pin the four packages to this version (default the newest; an installed one is kept)", type: str}
-  repo_url: {description: "a mirror of NVIDIA's repositories", type: str}
-  key_file: {description: "the signing key, from a file on the target", type: path}
-  key_fingerprint: {description: "trust the key with this fingerprint instead of NVIDIA's", type: str}
-  experimental: {description: "also enable the experimental repository", type: bool, default: false}
-  gpunode_path: {description: "the gpunode command; default PATH, then /usr/local/bin and /opt/gpunode/bin", type: path}
-  root: {description: "gpunode's C(--root)", type: path}
-author: gpunode developers
+  state:
+    description: present installs, absent uninstalls
+    type: str
+    default: present
+    choices:
+      - present
+      - absent
+  version:
+    description: pin the four packages to this version (default the newest; an installed one is kept)
+    type: str
+  repo_url:
+    description: a mirror of NVIDIA's repositories
+    type: str
+  key_file:
+    description: the signing key, from a file on the target
+    type: path
+  key_fingerprint:
+    description: trust the key with this fingerprint instead of NVIDIA's
+    type: str
+  experimental:
+    description: also enable the experimental repository
+    type: bool
+    default: false
+  gpunode_path:
+    description: the gpunode command; default PATH, then /usr/local/bin and /opt/gpunode/bin
+    type: path
+  root:
+    description: gpunode's C(--root)
+    type: path
+extends_documentation_fragment:
+  - ansible.builtin.action_common_attributes
+attributes:
+  check_mode:
+    support: full
+    details: 'C(--dry-run): gpunode plans, nothing is touched; C(changed) says whether the plan has something to
+      do'
+  diff_mode:
+    support: full
+    details: the repository files' diffs and the package versions before and after
+  platform:
+    support: full
+    platforms: posix
+    details: Linux targets where gpunode runs (Debian, Ubuntu, RHEL and compatible, SUSE)
+requirements:
+  - gpunode on the target (C(./install.sh) from the gpunode checkout), found on PATH, in /usr/local/bin or /opt/gpunode/bin,
+    or given as I(gpunode_path)
+  - root on the target (C(become)) for anything but check mode, as gpunode itself requires
+notes:
+  - The module reads gpunode's one C(--json) document (docs/json.md), never its text; C(changed) is gpunode's own,
+    so a second run with the same arguments reports C(changed=false) and writes nothing.
+  - On failure the result carries gpunode's C(msg), C(fix) and C(exit_code), and the whole document under C(gpunode).
+author: gpunode developers (@gpunode)
 """
 
 EXAMPLES = r"""
@@ -26,8 +70,14 @@ EXAMPLES = r"""
 """
 
 RETURN = r"""
-gpunode: {description: "gpunode's document (gpunode.toolkit-install/v1 or toolkit-uninstall/v1)", returned: always, type: dict}
-version: {description: "the installed version after the run", returned: always, type: str}
+gpunode:
+  description: gpunode's document (gpunode.toolkit-install/v1 or toolkit-uninstall/v1)
+  returned: always
+  type: dict
+version:
+  description: the installed version after the run
+  returned: always
+  type: str
 """
 
 from ansible.module_utils.basic import AnsibleModule
@@ -46,7 +96,7 @@ def main():
         version={"type": "str"},
         repo_url={"type": "str"},
         key_file={"type": "path"},
-        key_fingerprint={"type": "str"},
+        key_fingerprint={"type": "str", "no_log": False},  # a public key's fingerprint, not a secret
         experimental={"type": "bool", "default": False},
     )
     module = AnsibleModule(argument_spec=spec, supports_check_mode=True)

@@ -7,25 +7,88 @@ DOCUMENTATION = r"""
 module: gpunode_up
 short_description: Make the target a working GPU node with gpunode up
 description:
-  - Runs C(gpunode up --json --yes) (preflight, toolkit, container runtime, device plugin, labels); check mode adds C(--dry-run) and returns the plan; diff mode shows each step that changes something with its files, diffs and commands.
+  - Runs C(gpunode up --json --yes) (preflight, toolkit, container runtime, device plugin, labels); check mode adds
+    C(--dry-run) and returns the plan; diff mode shows each step that changes something with its files, diffs and
+    commands.
 options:
-  toolkit_version: {description: "pin nvidia-container-toolkit", type: str}
-  repo_url: {description: "mirror of NVIDIA's repositories", type: str}
-  key_file: {description: "the repositories' signing key, from a file on the target", type: path}
-  key_fingerprint: {description: "trust this key instead of NVIDIA's", type: str}
-  runtime: {description: "container runtime to configure", type: str, choices: [docker, containerd, crio]}
-  plugin_config: {description: "device plugin config on the target to install", type: path}
-  labels: {description: "set the GPU labels (needs API credentials)", type: bool}
-  node: {description: "node name for the labels", type: str}
-  cdi: {description: "also turn CDI on and keep gpunode's CDI spec current", type: bool, default: false}
-  kubeconfig: {description: "kubeconfig file on the target (default gpunode's search: $KUBECONFIG, ~/.kube/config, kubelet.conf, k3s/RKE2's, in-cluster)", type: path}
-  kubeconfig_content: {description: "the kubeconfig itself (a secret: never logged or returned); written to a private temp file for the run", type: str}
-  context: {description: "kubeconfig context", type: str}
-  server: {description: "API server URL overriding the kubeconfig's", type: str}
-  request_timeout: {description: "per-request timeout, as kubectl: 30, 10s, 1m", type: str}
-  gpunode_path: {description: "the gpunode command; default PATH, then /usr/local/bin and /opt/gpunode/bin", type: path}
-  root: {description: "gpunode's C(--root)", type: path}
-author: gpunode developers
+  toolkit_version:
+    description: pin nvidia-container-toolkit
+    type: str
+  repo_url:
+    description: mirror of NVIDIA's repositories
+    type: str
+  key_file:
+    description: the repositories' signing key, from a file on the target
+    type: path
+  key_fingerprint:
+    description: trust this key instead of NVIDIA's
+    type: str
+  runtime:
+    description: container runtime to configure
+    type: str
+    choices:
+      - docker
+      - containerd
+      - crio
+  plugin_config:
+    description: device plugin config on the target to install
+    type: path
+  labels:
+    description: set the GPU labels (needs API credentials)
+    type: bool
+  node:
+    description: node name for the labels
+    type: str
+  cdi:
+    description: also turn CDI on and keep gpunode's CDI spec current
+    type: bool
+    default: false
+  kubeconfig:
+    description: 'kubeconfig file on the target (default gpunode''s search: $KUBECONFIG, ~/.kube/config, kubelet.conf,
+      k3s/RKE2''s, in-cluster)'
+    type: path
+  kubeconfig_content:
+    description: 'the kubeconfig itself (a secret: never logged or returned); written for the run to a file private
+      to root (/run/gpunode-ansible, under root with I(root)) and removed'
+    type: str
+  context:
+    description: kubeconfig context
+    type: str
+  server:
+    description: API server URL overriding the kubeconfig's
+    type: str
+  request_timeout:
+    description: 'per-request timeout, as kubectl: 30, 10s, 1m'
+    type: str
+  gpunode_path:
+    description: the gpunode command; default PATH, then /usr/local/bin and /opt/gpunode/bin
+    type: path
+  root:
+    description: gpunode's C(--root)
+    type: path
+extends_documentation_fragment:
+  - ansible.builtin.action_common_attributes
+attributes:
+  check_mode:
+    support: full
+    details: 'C(--dry-run): gpunode plans, nothing is touched; C(changed) says whether the plan has something to
+      do'
+  diff_mode:
+    support: full
+    details: each step that changes something, with gpunode's files, diffs and commands
+  platform:
+    support: full
+    platforms: posix
+    details: Linux targets where gpunode runs (Debian, Ubuntu, RHEL and compatible, SUSE)
+requirements:
+  - gpunode on the target (C(./install.sh) from the gpunode checkout), found on PATH, in /usr/local/bin or /opt/gpunode/bin,
+    or given as I(gpunode_path)
+  - root on the target (C(become)) for anything but check mode, as gpunode itself requires
+notes:
+  - The module reads gpunode's one C(--json) document (docs/json.md), never its text; C(changed) is gpunode's own,
+    so a second run with the same arguments reports C(changed=false) and writes nothing.
+  - On failure the result carries gpunode's C(msg), C(fix) and C(exit_code), and the whole document under C(gpunode).
+author: gpunode developers (@gpunode)
 """
 
 EXAMPLES = r"""
@@ -35,8 +98,14 @@ EXAMPLES = r"""
 """
 
 RETURN = r"""
-gpunode: {description: "gpunode's document (gpunode.up/v1) with its steps", returned: always, type: dict}
-steps: {description: "name and status of each step", returned: always, type: list}
+gpunode:
+  description: gpunode's document (gpunode.up/v1) with its steps
+  returned: always
+  type: dict
+steps:
+  description: name and status of each step
+  returned: always
+  type: list
 """
 
 from ansible.module_utils.basic import AnsibleModule
@@ -58,7 +127,7 @@ def main():
         toolkit_version={"type": "str"},
         repo_url={"type": "str"},
         key_file={"type": "path"},
-        key_fingerprint={"type": "str"},
+        key_fingerprint={"type": "str", "no_log": False},  # a public key's fingerprint, not a secret
         runtime={"type": "str", "choices": ["docker", "containerd", "crio"]},
         plugin_config={"type": "path"},
         labels={"type": "bool"},
