@@ -229,12 +229,15 @@ def runtime_step(host: Host, plan: RuntimePlan, replan: Callable[[], RuntimePlan
 
 def _cdi(host: Host, discover: Callable[[Host], Inventory]) -> Step:
     """gpunode's CDI spec written, and the units that keep it true installed (`gpunode cdi install`)."""
-    from gpunode.cdi.generate import GenerateOptions, generate, write_spec
+    from gpunode.cdi.generate import GenerateOptions, check_writable, generate, write_spec
     from gpunode.cdi.install import apply_install, plan_install
     from gpunode.systemd.service import gpunode_executable
 
     options = GenerateOptions()
     generated = generate(host, discover(host), options)
+    # Another tool's file at gpunode's path is refused here, so the plan (and --dry-run) shows it before
+    # any step has changed the node, not half-way at apply.
+    check_writable(host, generated)
     spec_needed = host.read_bytes(generated.path) != generated.text.encode()
     install = plan_install(host, options, gpunode_executable(), restrict_envvar=True)
     if not spec_needed and not install.changed:
