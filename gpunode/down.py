@@ -53,6 +53,8 @@ def _plugin(host: Host) -> Step:
     plan = service.plan_uninstall(host)
     details = [f"run: {' '.join(c)}" for c in plan.commands] + [f"remove {p}" for p in plan.remove]
     details += [f"keep {p} (changed since gpunode wrote it)" for p in plan.kept]
+    details += [f"unlink {link.path}" for link in plan.links if link.changed]
+    details += [f"on the system in {host.root}, run: {' '.join(c)}" for c in plan.next_steps]
     details += [f"note: {n}" for n in plan.notes]
     if plan.changes_nothing:
         return Step(

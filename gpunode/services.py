@@ -22,7 +22,8 @@ def service_states(host: Host, units: Sequence[str]) -> dict[str, str | None]:
     chroot): the caller then falls back to other evidence such as sockets.
     """
     unknown: dict[str, str | None] = dict.fromkeys(units)
-    if not units or not systemd_running(host) or host.which("systemctl") is None:
+    # Under --root this machine's systemctl would answer for this machine's units, not the root's.
+    if not units or host.offline or not systemd_running(host) or host.which("systemctl") is None:
         return unknown
     try:
         result = host.run(["systemctl", "is-active", *units], timeout=SYSTEMCTL_TIMEOUT)

@@ -23,6 +23,7 @@ from gpunode.nvml.model import Inventory
 
 if TYPE_CHECKING:
     from gpunode.runtimes.plan import RuntimePlan
+    from gpunode.systemd.service import ServicePlan
 
 # doctor findings that gpunode up cannot fix: it stops before changing anything
 BLOCKING_PREFIXES = ("driver", "nvml", "kubelet")
@@ -228,12 +229,15 @@ def runtime_step(host: Host, plan: RuntimePlan, replan: Callable[[], RuntimePlan
 
 def _cdi(host: Host, discover: Callable[[Host], Inventory]) -> Step:
     """gpunode's CDI spec written, and the units that keep it true installed (`gpunode cdi install`)."""
-    from gpunode.cdi.generate import GenerateOptions, generate, write_spec
+    from gpunode.cdi.generate import GenerateOptions, check_writable, generate, write_spec
     from gpunode.cdi.install import apply_install, plan_install
     from gpunode.systemd.service import gpunode_executable
 
     options = GenerateOptions()
     generated = generate(host, discover(host), options)
+    # Another tool's file at gpunode's path is refused here, so the plan (and --dry-run) shows it before
+    # any step has changed the node, not half-way at apply.
+    check_writable(host, generated)
     spec_needed = host.read_bytes(generated.path) != generated.text.encode()
     install = plan_install(host, options, gpunode_executable(), restrict_envvar=True)
     if not spec_needed and not install.changed:
@@ -266,6 +270,8 @@ def _plugin(host: Host, opts: UpOptions) -> Step:
     plan = service.plan_install(
         host, config_file=opts.plugin_config, start=True, executable=service.gpunode_executable()
     )
+    if host.offline:
+        return _plugin_offline(host, opts, plan)
     state = service.service_state(host)
     if plan.changes_nothing and state.active == "active":
         return Step("plugin", f"{service.UNIT} is installed and running", needed=False)
@@ -284,6 +290,38 @@ def _plugin(host: Host, opts: UpOptions) -> Step:
     return Step(
         "plugin",
         f"install and start {service.UNIT}, wait until it has registered with kubelet",
+        needed=True,
+        details=details,
+        apply=apply,
+    )
+
+
+def _plugin_offline(host: Host, opts: UpOptions, plan: ServicePlan) -> Step:
+    """Under --root: the unit written into the root and enabled by its links; this machine's systemd
+    knows nothing of the root's units, so the service's state is not asked and nothing is started here
+    (starting it is a step for the system in the root, printed)."""
+    from gpunode.systemd import service
+
+    unit = f"{service.UNIT} in {host.root}"
+    if plan.changes_nothing:
+        return Step("plugin", f"{unit} is installed and enabled (its state not asked: --root)", needed=False)
+    details = [f"write {f.path}" for f in plan.files if f.changed]
+    details += [f"link {link.path} -> {link.target}" for link in plan.links if link.changed]
+    details += [f"on the system in {host.root}, run: {' '.join(c)}" for c in plan.next_steps]
+
+    def apply() -> str:
+        service.require_root(host, "up")
+        fresh = service.plan_install(
+            host, config_file=opts.plugin_config, start=True, executable=service.gpunode_executable()
+        )
+        service.apply_install(host, fresh)
+        then = " && ".join(" ".join(c) for c in fresh.next_steps)
+        left = f"; on the system in {host.root}, run: {then}" if then else ""
+        return f"{unit} installed and enabled{left}"
+
+    return Step(
+        "plugin",
+        f"install and enable {unit} (nothing is started on this machine: --root)",
         needed=True,
         details=details,
         apply=apply,

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from gpunode.cdi import ownership
 from gpunode.cdi.check import ENVVAR_KEY, TOOLKIT_CONFIG, envvar_setting
 from gpunode.cdi.generate import GenerateOptions, default_output
 from gpunode.cdi.hostfacts import LD_CACHE
@@ -218,6 +219,9 @@ class UninstallPlan:
     notes: tuple[str, ...] = field(default=())
     links: tuple[enable.Link, ...] = field(default=())  # under --root: the units' links, removed
     next_steps: tuple[tuple[str, ...], ...] = field(default=())
+    # (spec, the backup `cdi generate --force` kept of the file it replaced): the spec is put back from it
+    # (its entry in `restore` has the content), and the backup goes only once the original is in place.
+    restored_from: tuple[tuple[str, str], ...] = field(default=())
 
     @property
     def changes_nothing(self) -> bool:
@@ -239,14 +243,10 @@ def plan_uninstall(host: Host, options: GenerateOptions) -> UninstallPlan:
             remove.append(unit)
         else:
             notes.append(f"{unit} was not written by gpunode: left in place")
-    spec = options.path
-    spec_text = _read(host, spec)
-    if spec_text is not None:
-        if "Written by gpunode" in spec_text:
-            remove.append(spec)
-        else:
-            notes.append(f"{spec} was not written by gpunode: left in place")
     restore: list[tuple[str, str]] = []
+    restored_from: list[tuple[str, str]] = []
+    for spec in _spec_paths(host, options.path):
+        _plan_spec(host, spec, remove=remove, restore=restore, restored_from=restored_from, notes=notes)
     backup = f"{BACKUP_DIR}{TOOLKIT_CONFIG}"
     original = _read(host, backup)
     current = _read(host, TOOLKIT_CONFIG)
@@ -263,13 +263,63 @@ def plan_uninstall(host: Host, options: GenerateOptions) -> UninstallPlan:
         gone = [unit.rsplit("/", 1)[1] for unit in units if unit in remove]
         links = tuple(link for unit in gone for link in enable.disable_links(host, unit))
         steps = (("systemctl", "stop", *gone), ("systemctl", "daemon-reload")) if gone else ()
-        return UninstallPlan(tuple(remove), tuple(restore), (), tuple(notes), links, steps)
+        return UninstallPlan(
+            tuple(remove), tuple(restore), (), tuple(notes), links, steps, restored_from=tuple(restored_from)
+        )
     if any(u in remove for u in units):
         if host.is_dir("/run/systemd/system"):
             commands = [("systemctl", "disable", "--now", PATH_UNIT, SERVICE), ("systemctl", "daemon-reload")]
         else:
             commands = [("systemctl", f"--root={host.root}", "disable", PATH_UNIT, SERVICE)]
-    return UninstallPlan(tuple(remove), tuple(restore), tuple(commands), tuple(notes))
+    return UninstallPlan(
+        tuple(remove), tuple(restore), tuple(commands), tuple(notes), restored_from=tuple(restored_from)
+    )
+
+
+def _spec_paths(host: Host, default: str) -> list[str]:
+    """The default spec path and every spec the record says gpunode wrote (a JSON spec, an --output)."""
+    paths = [default]
+    for path in ownership.recorded(host):
+        if path not in paths and host.canonical(default) != path:
+            paths.append(path)
+    return paths
+
+
+def _plan_spec(
+    host: Host,
+    spec: str,
+    *,
+    remove: list[str],
+    restore: list[tuple[str, str]],
+    restored_from: list[tuple[str, str]],
+    notes: list[str],
+) -> None:
+    """A spec gpunode wrote (its header, or the record's checksum: JSON has no comments) is removed, or put
+    back from the backup of the file a forced write replaced; anything else is not gpunode's to delete."""
+    try:
+        now = ownership.current(host, spec)
+    except GpunodeError as exc:
+        notes.append(f"{spec} left in place: {exc.message}")
+        return
+    if not now.exists:
+        return
+    if not now.ours:
+        notes.append(f"{spec} was not written by gpunode: left in place")
+        return
+    kept = ownership.backups(host, spec)
+    original = _read(host, kept[-1]) if kept else None
+    if kept and original is None:
+        notes.append(
+            f"{spec}: the backup {kept[-1]} of the file it replaced is gone or unreadable; {spec} is kept"
+        )
+        return
+    if original is not None:
+        restore.append((spec, original))
+        restored_from.append((spec, kept[-1]))
+        notes.append(f"{spec} is put back from {kept[-1]} (the file `cdi generate --force` replaced)")
+        notes.extend(f"an older backup stays: {older}" for older in kept[:-1])
+    else:
+        remove.append(spec)
 
 
 def apply_uninstall(host: Host, plan: UninstallPlan) -> None:
@@ -280,9 +330,26 @@ def apply_uninstall(host: Host, plan: UninstallPlan) -> None:
             host.run(argv, timeout=SYSTEMCTL_TIMEOUT).check()
     enable.apply(host, plan.links)
     for path in plan.remove:
-        host.remove_file(path)
+        if path.startswith(f"{UNIT_DIR}/") or ownership.current(host, path).ours:  # still gpunode's bytes
+            host.remove_file(path)
+    backups = dict(plan.restored_from)
     for path, original in plan.restore:
+        if path in backups:
+            now = ownership.current(host, path)
+            if not now.ours or now.data is None:
+                raise ConfigError(
+                    f"{path} changed since the plan: it is no longer the spec gpunode wrote; left as it is "
+                    f"(the original stays in {backups[path]})",
+                    "run `gpunode cdi uninstall` again",
+                )
+            host.write_file(path, original, expect=now.data)
+            ownership.forget(host, path, backups[path])
+            host.remove_file(backups[path])  # the original is in place again: no longer the only copy
+            continue
         host.write_file(path, original, expect=_with_envvar_off(original))
         host.remove_file(f"{BACKUP_DIR}{path}")
+    for path in plan.remove:
+        if not path.startswith(f"{UNIT_DIR}/"):
+            ownership.forget(host, path, None)
     if reload_cmd in plan.commands:
         host.run(reload_cmd, timeout=SYSTEMCTL_TIMEOUT).check()

@@ -126,3 +126,29 @@ def backups(host: Host, path: str) -> list[str]:
     hand)."""
     entry = _load(host).get(host.canonical(path))
     return [b for b in entry.get("backups", []) if isinstance(b, str)] if isinstance(entry, dict) else []
+
+
+def recorded(host: Host) -> list[str]:
+    """Every spec path the record says gpunode wrote (canonical host paths)."""
+    return sorted(str(k) for k in _load(host))
+
+
+def forget(host: Host, path: str, backup: str | None) -> None:
+    """`cdi uninstall` took the spec at `path` away (or put `backup` back in its place): its entry goes,
+    except for any other backups it names, which stay recorded (never the only copy of anything lost)."""
+    files = _load(host)
+    key = host.canonical(path)
+    entry = files.get(key)
+    if entry is None:
+        return
+    left = (
+        [b for b in entry.get("backups", []) if isinstance(b, str) and b != backup]
+        if isinstance(entry, dict)
+        else []
+    )
+    if left:
+        files[key] = {"written_sha256": None, "backups": left}
+    else:
+        del files[key]
+    text = json.dumps({"version": FORMAT_VERSION, "files": files}, indent=2, sort_keys=True) + "\n"
+    host.write_file(RECORD, text, mode=0o600, make_parents=True)

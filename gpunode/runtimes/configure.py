@@ -135,6 +135,16 @@ def plan_remove(host: Host, runtime: str, opts: ConfigureOptions) -> RuntimePlan
     return plan
 
 
+def _missing_dirs(host: Host, path: str) -> tuple[str, ...]:
+    """The directories above `path` that do not exist, outermost first."""
+    missing: list[str] = []
+    parent = posixpath.dirname(path)
+    while parent != "/" and not host.is_dir(parent):
+        missing.insert(0, parent)
+        parent = posixpath.dirname(parent)
+    return tuple(missing)
+
+
 def _with_directories(host: Host, plan: RuntimePlan) -> RuntimePlan:
     """Plan the directories a new file needs, so that the dry run and the run agree: a drop-in's directory
     (or any directory of a runtime's standard layout) is created with mode 0755, as nvidia-ctk does; a file
@@ -145,11 +155,7 @@ def _with_directories(host: Host, plan: RuntimePlan) -> RuntimePlan:
         if not change.changed or change.after is None:
             changes.append(change)
             continue
-        missing: list[str] = []
-        parent = posixpath.dirname(change.path)
-        while parent != "/" and not host.is_dir(parent):
-            missing.insert(0, parent)
-            parent = posixpath.dirname(parent)
+        missing = _missing_dirs(host, change.path)
         if missing and not (change.owned or plan.standard_location):
             raise NotFound(
                 f"cannot write {change.path}: directory {missing[-1]} does not exist",
@@ -184,7 +190,16 @@ def plan_revert(host: Host, runtime: str, opts: ConfigureOptions) -> RuntimePlan
     kept: list[str] = []
     for record in known:
         change, notes, keep = _revert_file(host, record)
-        changes.append(replace(change, make_dirs=record.made_dirs))
+        if change.before is None and change.after is not None:
+            # A deleted file put back from its backup: its directory may be gone too (`rm -r
+            # /etc/docker`). It is made again, 0755, as gpunode's own step (shown in the plan), and the
+            # backup is removed only once the original is back in it.
+            missing = _missing_dirs(host, record.path)
+            if missing:
+                notes.append(f"will create directory {missing[0]} (mode 0755) for {record.path}")
+            changes.append(replace(change, make_dirs=missing))
+        else:
+            changes.append(replace(change, make_dirs=record.made_dirs))
         messages.extend(notes)
         if keep:
             kept.append(record.path)
@@ -483,9 +498,11 @@ def _write(host: Host, change: FileChange, plan: RuntimePlan, *, first: bool, ou
         if plan.revert:
             _remove_made_dirs(host, change.make_dirs)
         return
-    if not plan.revert:
+    if not plan.revert or change.before is None:  # a revert makes directories only to put a file back
         for directory in change.make_dirs:
-            host.make_dirs(directory, mode=0o755)
+            if not host.is_dir(directory):
+                host.make_dirs(directory, mode=0o755)
+                host.set_mode(directory, 0o755)  # not the umask's choice
     keep_original = first and not plan.revert and change.before is not None
     backup = records.backup_path(change.path) if keep_original else None
     result = host.write_file(

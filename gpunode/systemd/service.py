@@ -177,11 +177,15 @@ def service_state(
     $GPUNODE_PLUGIN_STATUS_FILE in `env`, else where the unit tells the service to write it, else the
     default."""
     props: dict[str, str] = {}
+    result = None
     try:
-        result = host.run(
-            ["systemctl", "show", UNIT, *(f"--property={p}" for p in SHOW_PROPERTIES)],
-            timeout=SYSTEMCTL_TIMEOUT,
-        )
+        # Under --root this machine's systemd knows nothing of the root's unit: not asked, the status
+        # file in the root alone tells (ActiveState stays "unknown").
+        if not host.offline:
+            result = host.run(
+                ["systemctl", "show", UNIT, *(f"--property={p}" for p in SHOW_PROPERTIES)],
+                timeout=SYSTEMCTL_TIMEOUT,
+            )
     except CommandFailed:
         result = None  # no systemctl (a container): the status file alone tells the plugin's state
     if result is not None and result.ok:

@@ -111,3 +111,19 @@ def test_down_undoes_the_cdi_step(node: Host, capsys: pytest.CaptureFixture[str]
     code = main(["down", "--yes"], host=node)
     out, _ = capsys.readouterr()
     assert code == ExitCode.OK and "[skipped] cdi: gpunode has set up no CDI spec here" in out
+
+
+def test_another_tools_spec_at_gpunodes_path_is_refused_in_the_plan(
+    node: Host, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Refused while planning: the dry run shows it, and a run changes nothing (no step before it)."""
+    theirs = node.root / SPEC.lstrip("/")
+    theirs.parent.mkdir(parents=True, exist_ok=True)
+    theirs.write_text("---\ncdiVersion: 0.5.0\nkind: nvidia.com/gpu\ndevices: []\n")
+    before = {p: p.read_bytes() for p in node.root.rglob("*") if p.is_file()}
+    code, out, err = up(node, capsys, "--cdi", "--dry-run")
+    assert "cdi: cannot be planned" in out + err and "gpunode did not write" in out + err
+    assert code != ExitCode.OK
+    code, out, err = up(node, capsys, "--cdi", "--yes")
+    assert code != ExitCode.OK and "gpunode did not write" in out + err
+    assert {p: p.read_bytes() for p in node.root.rglob("*") if p.is_file()} == before

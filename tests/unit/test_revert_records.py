@@ -13,6 +13,7 @@ import pytest
 
 from gpunode.cli.main import main
 from gpunode.down import DownOptions, plan_down
+from gpunode.errors import GpunodeError
 from gpunode.host import Host, ScriptedRunner
 from gpunode.runtimes import containerd, k3s, records
 from gpunode.runtimes.configure import apply, plan_configure, plan_revert, will_restart
@@ -269,3 +270,39 @@ def test_down_reports_the_template_it_kept(tmp_path: Path) -> None:
     assert any(d.startswith("note: ") and "kept as it is" in d for d in step.details)
     assert f"kept {containerd.K3S_TEMPLATE_V3}" in step.apply()
     assert template.exists()
+
+
+def test_a_deleted_file_whose_directory_is_gone_gets_both_back(tmp_path: Path) -> None:
+    """`rm -r /etc/docker` after gpunode configured docker: the revert makes the directory again (0755,
+    said in the plan) and puts the original back from the backup, which goes only once the original is
+    in place."""
+    put(tmp_path, "/etc/docker/daemon.json", ORIGINAL)
+    host = Host(root=tmp_path, runner=ScriptedRunner())
+    configure(host, "docker")
+    backup = tmp_path / records.backup_path("/etc/docker/daemon.json").lstrip("/")
+    shutil.rmtree(tmp_path / "etc/docker")
+
+    plan = plan_revert(host, "docker", ConfigureOptions())
+    assert "will create directory /etc/docker (mode 0755) for /etc/docker/daemon.json" in plan.messages
+    assert not (tmp_path / "etc/docker").exists()  # planning changes nothing
+    apply(host, plan, restart=False)
+    assert (tmp_path / "etc/docker/daemon.json").read_text() == ORIGINAL
+    assert (tmp_path / "etc/docker").stat().st_mode & 0o777 == 0o755
+    assert not backup.exists()
+    assert records.load(host).files == {}
+
+
+def test_a_failed_put_back_keeps_the_backup(tmp_path: Path) -> None:
+    """The directory cannot be made again (a file stands where it was): the revert fails, and the backup,
+    the only copy of the original, is still there with its record."""
+    put(tmp_path, "/etc/docker/daemon.json", ORIGINAL)
+    host = Host(root=tmp_path, runner=ScriptedRunner())
+    configure(host, "docker")
+    backup = tmp_path / records.backup_path("/etc/docker/daemon.json").lstrip("/")
+    shutil.rmtree(tmp_path / "etc/docker")
+    plan = plan_revert(host, "docker", ConfigureOptions())
+    (tmp_path / "etc/docker").write_text("not a directory\n")
+    with pytest.raises(GpunodeError):
+        apply(host, plan, restart=False)
+    assert backup.read_text() == ORIGINAL
+    assert "/etc/docker/daemon.json" in records.load(host).files
