@@ -620,7 +620,7 @@ class Plugin:
             # As at start (runner): a status file there would wait on the socket directory's lock.
             log.error(
                 "reload refused, keeping the running configuration: %s",
-                socket_dir_error(self._status_file, "the plugin's", config.socket_dir).message,
+                socket_dir_error(self._status_file, "this plugin's", config.socket_dir).message,
             )
             return
         self.config = config

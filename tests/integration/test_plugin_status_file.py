@@ -104,3 +104,36 @@ def test_a_status_file_in_the_socket_directory_is_refused_at_start(
     assert "fix: put the status file elsewhere with --status-file or $GPUNODE_PLUGIN_STATUS_FILE" in log
     assert "Traceback" not in log
     assert not status_file.exists() and list(socket_dir.iterdir()) == []  # nothing served, nothing left
+
+
+def test_a_reload_that_would_put_the_socket_directory_over_the_status_file_is_refused(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The same rule on SIGHUP: a new socket-dir holding the status file keeps the running config."""
+    import logging
+
+    from gpunode.host import Host
+    from gpunode.plugin.config import PluginConfig, load_config
+    from gpunode.plugin.lifecycle import Plugin
+    from gpunode.plugin.simulate import simulated_inventory
+
+    status_file = tmp_path / "run" / "plugin.json"
+    socket_dirs = [str(tmp_path / "device-plugins"), str(tmp_path / "run")]
+    host = Host(env={})
+
+    def load() -> PluginConfig:
+        return load_config(host, config_path=None, env={"GPUNODE_SOCKET_DIR": socket_dirs[0]})
+
+    plugin = Plugin(
+        host,
+        load,
+        lambda _config: simulated_inventory("pcie-4"),
+        simulated=True,
+        status_file=str(status_file),
+    )
+    socket_dirs.pop(0)  # the file now names the directory the status file is in
+    with caplog.at_level(logging.ERROR, logger="gpunode.plugin"):
+        plugin._reload()
+    assert plugin.config.socket_dir == str(tmp_path / "device-plugins")
+    assert "reload refused, keeping the running configuration" in caplog.text
+    assert f"the status file {status_file}" in caplog.text and "is inside the socket directory" in caplog.text
