@@ -253,6 +253,10 @@ class MetricsServer:
         with contextlib.suppress(OSError):
             os.write(self._wake_w, b"x")
         self._threads[0].join(5.0)
+        # Requests not yet taken are dropped (a put would wait on a full queue), then each worker ends.
+        with contextlib.suppress(queue.Empty):
+            while (item := self._work.get_nowait()) is not None:
+                item[0].close()
         for _ in range(WORKERS):
             self._work.put(None)
         for thread in self._threads[1:]:
