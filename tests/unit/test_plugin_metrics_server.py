@@ -27,8 +27,9 @@ def scrape(port: int, **headers: str) -> tuple[bytes, dict[str, str]]:
         return answer.read(), dict(answer.headers)
 
 
-def threads() -> int:
-    return threading.active_count()
+def new_threads(before: set[threading.Thread]) -> list[threading.Thread]:
+    """Live threads that were not there `before` (threads of other tests ending meanwhile do not count)."""
+    return [t for t in threading.enumerate() if t not in before]
 
 
 def closed_by_server(sock: socket.socket) -> bool:
@@ -60,7 +61,7 @@ def metrics() -> Iterator[PluginMetrics]:
 
 def test_idle_connections_cost_no_thread_and_a_scrape_still_answers(metrics: PluginMetrics) -> None:
     """Before: a thread per connection, none ever timed out (3,000 idle connections: 3,014 threads)."""
-    baseline = threads()
+    baseline = set(threading.enumerate())
     count = MAX_CONNECTIONS * 3
     idle = [socket.create_connection(("127.0.0.1", metrics.port)) for _ in range(count)]
     try:
@@ -69,23 +70,25 @@ def test_idle_connections_cost_no_thread_and_a_scrape_still_answers(metrics: Plu
         assert "gpunode_kubelet_restarts_total" in {
             s.name for f in text_string_to_metric_families(body.decode()) for s in f.samples
         }
-        assert threads() == baseline  # the server's threads are fixed: none per connection
+        assert new_threads(baseline) == []  # the server's threads are fixed: none per connection
         # Beyond the cap, connections are closed at once (the longest waiting first), not queued.
         assert sum(closed_by_server(s) for s in idle) >= count - MAX_CONNECTIONS
     finally:
         for sock in idle:
             sock.close()
-    wait_for(lambda: threads() == baseline, "threads back to the baseline after the clients closed")
+    wait_for(lambda: new_threads(baseline) == [], "threads back to the baseline after the clients closed")
     scrape(metrics.port)  # and still serving
 
 
 def test_threads_are_fixed_and_gone_after_stop() -> None:
-    before = threads()
+    before = set(threading.enumerate())
     served = PluginMetrics.serve("127.0.0.1:0", HealthTracker())
-    assert threads() == before + 1 + WORKERS  # the selector loop and the workers, started once
+    started = new_threads(before)
+    assert len(started) == 1 + WORKERS  # the selector loop and the workers, started once
     scrape(served.port)
+    assert new_threads(before) == started
     served.stop()
-    assert threads() == before
+    assert not any(t.is_alive() for t in started)
 
 
 def test_a_client_that_never_finishes_its_request_is_dropped() -> None:
