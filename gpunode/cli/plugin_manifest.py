@@ -82,20 +82,18 @@ def manifest(
         raise UsageError(
             f"plugin manifest: --image {image!r} is not an image reference", "give e.g. registry/name:tag"
         )
-    if status_file is not None and (not status_file.startswith("/") or status_file.endswith("/")):
-        raise UsageError(
-            f"plugin manifest: --status-file {status_file!r} is not an absolute file path",
-            "give the path the plugin writes in its container, e.g. /run/gpunode/plugin-status.json",
-        )
+    if status_file is not None:
+        status_file = dm.status_file_path(status_file)
     host = state(ctx).host
     if config:
         config = os.path.abspath(config)  # a path given relative to where the command runs
     resolved = load_config(host, config_path=config, flags={})  # the environment: host.env
+    driver_root, socket_dir = dm.host_paths(resolved)
     options = dm.ManifestOptions(
         namespace=namespace,
         image=image or dm.IMAGE,
-        driver_root=resolved.driver_root,
-        socket_dir=resolved.socket_dir,
+        driver_root=driver_root,
+        socket_dir=socket_dir,
         status_file=status_file or dm.STATUS_FILE,
         events=events,
     )

@@ -169,7 +169,16 @@ def _seconds(value: Any, where: str) -> float:
 
 def _absolute_path(value: Any, where: str) -> str:
     if not isinstance(value, str) or not value.startswith("/"):
-        raise ConfigError(f"{where}: {value!r} is not an absolute path")
+        raise ConfigError(f"{where}: {value!r} is not an absolute path", "give a path that starts with /")
+    # A NUL cannot reach the OS at all (Python raises ValueError, a crash at the first use), and other
+    # control characters (a newline, an escape) make a path that kubelet, systemd's unit files and the
+    # log lines that name it would each read differently: refused here, where the key can be named.
+    bad = next((c for c in value if c < " " or "\x7f" <= c <= "\x9f"), None)
+    if bad is not None:
+        raise ConfigError(
+            f"{where}: {value!r} holds the control character {bad!r}",
+            "give the path without control characters (a quoting or copy-paste mistake?)",
+        )
     return value.rstrip("/") or "/"
 
 

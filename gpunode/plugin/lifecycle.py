@@ -40,6 +40,7 @@ from gpunode.plugin.migwatch import MigWatcher
 from gpunode.plugin.observe import PluginObserver, start_observer
 from gpunode.plugin.preferred import Topology
 from gpunode.plugin.server import ResourceServer, ServeSettings, device_message
+from gpunode.plugin.statusfile import in_socket_dir, socket_dir_error
 from gpunode.plugin.watch import DirectoryWatch, DirEvent
 
 if TYPE_CHECKING:
@@ -186,10 +187,13 @@ class Plugin:
         simulated: bool = False,
         on_status: Callable[[PluginStatus], None] | None = None,
         heartbeat: tuple[float, Callable[[], object]] | None = None,
+        status_file: str | None = None,
     ) -> None:
         """`heartbeat` (interval, fn): fn is called at least that often from the event loop itself, so
-        a watchdog fed by it notices a loop that is stuck (systemd's WatchdogSec)."""
+        a watchdog fed by it notices a loop that is stuck (systemd's WatchdogSec). `status_file`: where
+        the status is written, which a reload may not move the socket directory over."""
         self.host = host
+        self._status_file = status_file
         self._load_config = load_config
         self._discover = discover
         self.simulated = simulated
@@ -610,6 +614,13 @@ class Plugin:
                 "the plugin to move the MPS control daemons",
                 old.mps_root,
                 config.mps_root,
+            )
+            return
+        if self._status_file is not None and in_socket_dir(self.host, self._status_file, config.socket_dir):
+            # As at start (runner): a status file there would wait on the socket directory's lock.
+            log.error(
+                "reload refused, keeping the running configuration: %s",
+                socket_dir_error(self._status_file, "this plugin's", config.socket_dir).message,
             )
             return
         self.config = config

@@ -16,11 +16,13 @@ PyYAML is imported only here, when the manifests are printed.
 from __future__ import annotations
 
 import hashlib
+import posixpath
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from gpunode import __version__
+from gpunode.errors import ConfigError, UsageError
 from gpunode.plugin.config import OPTIONS, PluginConfig, value_of
 
 NAME = "gpunode-device-plugin"
@@ -64,6 +66,90 @@ TOLERATIONS: tuple[dict[str, str], ...] = (
     {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
     {"key": "CriticalAddonsOnly", "operator": "Exists"},
 )
+
+
+# Directories of the image the status file's emptyDir must not be mounted on or above: the OS, Python and
+# gpunode itself (/opt/gpunode, the Containerfile's), and the kernel's file systems. Below the first group
+# it may go (/var/run/gpunode, /etc/gpunode-status); below the second it would hide what the plugin runs.
+SYSTEM_DIRS = ("/etc", "/var", "/opt", "/usr", "/bin", "/sbin", "/lib", "/lib64", "/proc", "/sys", "/dev")
+PROGRAM_DIRS = ("/opt/gpunode", "/usr", "/bin", "/sbin", "/lib", "/lib64", "/proc", "/sys", "/dev")
+
+
+def _under(path: str, directory: str) -> bool:
+    """`path` is `directory` or below it (both normalised, absolute)."""
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
+
+
+def _normalised(path: str) -> str | None:
+    """An absolute path without `..`, `.` and repeated slashes, or None for a relative one or one with `..`
+    (which kubelet would resolve against whatever is mounted where, and the API refuses in a hostPath)."""
+    parts = path.split("/")
+    if not path.startswith("/") or ".." in parts:
+        return None
+    return "/" + "/".join(p for p in parts if p not in ("", "."))
+
+
+def status_file_path(path: str) -> str:
+    """--status-file, normalised; UsageError where its directory (an emptyDir mounted over whatever the
+    image has there) would be `/`, would cover or sit inside another of the container's mounts (two
+    volumes on one path, or the status volume hiding the socket directory), or would hide the system."""
+    normal = _normalised(path)
+    fix = "give a file in a directory of its own, e.g. /run/gpunode/plugin-status.json"
+    if normal is None or path.endswith("/") or normal == "/":
+        raise UsageError(
+            f"plugin manifest: --status-file {path!r} is not an absolute file path without '..'", fix
+        )
+    directory = posixpath.dirname(normal)
+    mounts = {
+        CONTAINER_SOCKET_DIR: "the socket directory",
+        CONTAINER_DRIVER_ROOT: "the driver root",
+        CONFIG_DIR: "the config directory",
+        # kubelet's, with events on (here or in the config): refused either way, it would be with them.
+        SERVICE_ACCOUNT: "the service account token",
+    }
+    for mount, what in mounts.items():
+        if _under(directory, mount) or _under(mount, directory):
+            raise UsageError(
+                f"plugin manifest: --status-file {path!r}: its directory {directory} (a volume of its own) "
+                f"{'is' if directory == mount else 'is inside' if _under(directory, mount) else 'covers'} "
+                f"{mount}, {what}'s mount",
+                fix,
+            )
+    if (
+        directory == "/"
+        or any(_under(d, directory) for d in SYSTEM_DIRS)
+        or any(_under(directory, d) for d in PROGRAM_DIRS)
+    ):
+        raise UsageError(
+            f"plugin manifest: --status-file {path!r}: its directory {directory} would be an empty volume "
+            "mounted over the image's own files",
+            fix,
+        )
+    return normal
+
+
+def host_paths(config: PluginConfig) -> tuple[str, str]:
+    """The driver root and socket directory as hostPath volumes take them: normalised, without `..` (the
+    API refuses it), and the socket directory (mounted writable) not the host's root; ConfigError naming
+    the setting and where it came from."""
+    out = []
+    for name, value in (("driver_root", config.driver_root), ("socket_dir", config.socket_dir)):
+        key = name.replace("_", "-")
+        where = f"{key} ({config.origins.get(name, 'default')})"
+        normal = _normalised(value)
+        if normal is None:
+            raise ConfigError(
+                f"{where}: {value!r} has a '..' component, which a hostPath volume may not have",
+                f"give {key} as an absolute path without '..'",
+            )
+        if name == "socket_dir" and normal == "/":
+            raise ConfigError(
+                f"{where}: '/' would mount the host's whole file system, writable, as kubelet's socket "
+                "directory",
+                "give kubelet's device-plugins directory, e.g. /var/lib/kubelet/device-plugins",
+            )
+        out.append(normal)
+    return out[0], out[1]
 
 
 @dataclass(frozen=True)
@@ -301,8 +387,6 @@ def manifests(config: PluginConfig, options: ManifestOptions) -> str:
     """The manifests as YAML; a config that turns events on (explicitly: on a node they are on by default,
     with kubelet's credentials) gets their RBAC and credentials too."""
     if any(e.replicas > 1 for e in config.mps_resources):
-        from gpunode.errors import ConfigError
-
         # The daemons need the driver's MPS programs and libraries, a mount namespace (CAP_SYS_ADMIN) and
         # mps.root shared with the pods: none of which this unprivileged container has.
         raise ConfigError(

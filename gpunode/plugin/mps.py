@@ -492,6 +492,7 @@ class MpsSupervisor:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._changed = True
+        self._reconcile_delay = RESTART_FIRST
 
     def mounts(self) -> dict[str, MpsMounts]:
         with self._lock:
@@ -558,6 +559,8 @@ class MpsSupervisor:
                     self._wait()
                 except Exception:  # a bug must not end the supervision for the plugin's lifetime
                     log.exception("MPS supervisor error; going on in 1 s")
+                    with self._lock:
+                        self._changed = True  # the reconcile it may have cut short, done again
                     self._stop.wait(1.0)
         finally:
             stop_daemons([w.daemon for w in self._watched.values()], TEARDOWN_TIMEOUT)
@@ -567,6 +570,24 @@ class MpsSupervisor:
         with self._lock:
             wanted = dict(self._wanted)
             self._changed = False
+        try:
+            self._reconcile_with(wanted)
+        except (OSError, GpunodeError) as exc:
+            # Again on the next round: a reconcile given up once would leave the wanted daemons unstarted
+            # until a restart (a stray file under the MPS root was enough). Down, with the reason, meanwhile.
+            message = exc.message if isinstance(exc, GpunodeError) else str(exc)
+            log.error("MPS: %s; trying again in %.1fs", message, self._reconcile_delay)
+            for name, spec in wanted.items():
+                if name not in self._watched:
+                    self._report(name, spec, f"its MPS control daemon is not running ({message})")
+            with self._lock:
+                self._changed = True
+            self._stop.wait(self._reconcile_delay)
+            self._reconcile_delay = min(self._reconcile_delay * 2, RESTART_MAX)
+            return
+        self._reconcile_delay = RESTART_FIRST
+
+    def _reconcile_with(self, wanted: dict[str, DaemonSpec]) -> None:
         gone = [n for n in self._watched if n not in wanted or self._watched[n].daemon.spec != wanted[n]]
         stop_daemons([self._watched.pop(n).daemon for n in gone], STOP_TIMEOUT)
         stale = [s for s in read_records(self.host, self.root) if s.resource not in wanted]
@@ -678,7 +699,13 @@ def read_records(host: Host, root: str) -> list[DaemonSpec]:
         if not host.is_dir(domain_dir):
             continue
         for name in sorted(host.listdir(domain_dir)):
-            text = host.read_text_if_exists(posixpath.join(domain_dir, name, RECORD))
+            try:
+                text = host.read_text_if_exists(posixpath.join(domain_dir, name, RECORD))
+            except GpunodeError as exc:
+                # A file where a resource's directory would be, an unreadable record: not a daemon gpunode
+                # left. Said, and skipped: the resources that are fine must still get their daemons.
+                log.warning("MPS: skipping %s under %s: %s", posixpath.join(domain, name), root, exc.message)
+                continue
             try:
                 data = json.loads(text) if text else None
                 if not isinstance(data, dict):

@@ -259,7 +259,8 @@ def _serve(
     log = logging.getLogger("gpunode.plugin")
     loader = config_loader(host, config_path, flags)
     notifier = Notifier()
-    reporter = StatusReporter(host, notifier, statusfile.plugin_path(status_file, host.env)[0])
+    status_path, status_source = statusfile.plugin_path(status_file, host.env)
+    reporter = StatusReporter(host, notifier, status_path)
     interval = notifier.watchdog_interval
     plugin = Plugin(
         host,
@@ -268,7 +269,10 @@ def _serve(
         simulated=bool(simulate),
         on_status=reporter,
         heartbeat=(interval, notifier.watchdog) if interval else None,
+        status_file=status_path,
     )
+    if statusfile.in_socket_dir(host, status_path, plugin.config.socket_dir):
+        raise statusfile.socket_dir_error(status_path, status_source, plugin.config.socket_dir)
     # Relayed from a thread, not handled by the main one: see gpunode/plugin/signals.py.
     relay = SignalRelay(
         {

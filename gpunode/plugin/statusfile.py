@@ -34,6 +34,28 @@ def plugin_path(flag: str | None, env: Mapping[str, str]) -> tuple[str, str]:
     return DEFAULT, "default"
 
 
+def in_socket_dir(host: Host, path: str, socket_dir: str) -> bool:
+    """Whether the status file `path` is in kubelet's socket directory or below it (links resolved).
+
+    The plugin holds a flock on that directory while it serves (lifecycle: one plugin per directory), and
+    every atomic write takes a flock on its file's directory: each status update there waited out the
+    lock's 30 s for a lock its own process held (READY 30 s late, a stop past systemd's 15 s). And kubelet
+    deletes what is in that directory when it restarts. So the file is refused there, not worked around."""
+    real_file = os.path.realpath(host.path(path))
+    real_dir = os.path.realpath(host.path(socket_dir))
+    return real_file == real_dir or real_file.startswith(real_dir.rstrip("/") + "/")
+
+
+def socket_dir_error(path: str, source: str, socket_dir: str) -> GpunodeError:
+    from gpunode.errors import UsageError
+
+    return UsageError(
+        f"plugin run: the status file {path} ({source}) is inside the socket directory {socket_dir}: the "
+        "plugin locks that directory while it serves, and kubelet empties it when it restarts",
+        f"put the status file elsewhere with {FLAG} or ${ENV} (default {DEFAULT})",
+    )
+
+
 @dataclass(frozen=True)
 class Place:
     path: str

@@ -92,3 +92,49 @@ def test_plugin_run_does_not_load_grpc_for_help(tmp_path: Path) -> None:
     code = "import sys; from gpunode.cli.main import main; main(['--help']); print('grpc' in sys.modules)"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert proc.stdout.strip().endswith("False"), proc.stdout + proc.stderr
+
+
+YAML_NUL = 'version: v1\nflags:\n  plugin:\n    kubeletSocket: "/x/\\x00y/kubelet.sock"\n'
+# (config file name, its text, environment, flags) and what the error must name.
+Setting = tuple[str | None, str, dict[str, str], tuple[str, ...]]
+
+
+@pytest.mark.parametrize(
+    ("setting", "named"),
+    [
+        # NVIDIA's kubeletSocket (issue 23): accepted, and the plugin waited for a directory never there.
+        (("config.yaml", YAML_NUL, {}, ()), "flags.plugin.kubeletSocket"),
+        (("plugin.toml", 'socket-dir = "/var/lib/\\u0000kubelet"\n', {}, ()), "socket-dir"),
+        (("plugin.toml", 'driver-root = "/run/nvidia/\\u001bdriver"\n', {}, ()), "driver-root"),
+        (("plugin.toml", 'dev-root = "/dev\\n"\n', {}, ()), "dev-root"),
+        (("plugin.toml", '[mps]\nroot = "/run/\\u0085mps"\n', {}, ()), "mps.root"),
+        (("plugin.toml", '[events]\nkubeconfig = "/etc/\\tkubelet.conf"\n', {}, ()), "events.kubeconfig"),
+        ((None, "", {"KUBELET_SOCKET": "/var/lib/\x01kubelet/kubelet.sock"}, ()), "env KUBELET_SOCKET"),
+        ((None, "", {"GPUNODE_SOCKET_DIR": "/var/lib/kubelet\n"}, ()), "env GPUNODE_SOCKET_DIR"),
+        ((None, "", {"NVIDIA_DRIVER_ROOT": "/run/\x7fnvidia"}, ()), "env NVIDIA_DRIVER_ROOT"),
+        ((None, "", {}, ("--socket-dir", "/var/lib/\x1bkubelet")), "flag --socket-dir"),
+        ((None, "", {}, ("--mps-root", "/run/\rmps")), "flag --mps-root"),
+    ],
+)
+def test_a_path_setting_with_a_control_character_is_refused_naming_it(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    setting: Setting,
+    named: str,
+) -> None:
+    file, text, env, flags = setting
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)  # `plugin run` reads its process's environment
+    args: list[str] = ["--show-config", *flags]
+    if file is not None:
+        (tmp_path / file).write_text(text)
+        args += ["--config", f"/{file}"]
+    code = main(["plugin", "run", *args], host=Host(root=tmp_path, env=env))
+    out, err = capsys.readouterr()
+    assert code == ExitCode.CONFIG, (out, err)
+    assert named in err
+    assert "control character" in err
+    assert "fix: give the path without control characters" in err
+    assert "Traceback" not in err
+    assert out == ""

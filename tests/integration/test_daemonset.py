@@ -356,6 +356,87 @@ def test_bad_options_are_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixt
     assert "replica" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("status_file", "said"),
+    [
+        # Issue 23: each of these printed a DaemonSet with two volumes on one path, or an emptyDir over
+        # the socket directory, the config, the image's root or its programs, and exited 0.
+        ("/var/lib/kubelet/device-plugins/status.json", "is /var/lib/kubelet/device-plugins, the socket"),
+        ("/var/lib/kubelet/device-plugins/x/status.json", "is inside /var/lib/kubelet/device-plugins"),
+        ("/var/lib/kubelet/status.json", "covers /var/lib/kubelet/device-plugins"),
+        ("/etc/gpunode/status.json", "is /etc/gpunode, the config directory"),
+        ("/driver-root/status.json", "is /driver-root, the driver root"),
+        ("/var/run/secrets/status.json", "covers /var/run/secrets/kubernetes.io/serviceaccount"),
+        ("/status.json", "covers /var/lib/kubelet/device-plugins"),
+        ("/usr/local/status.json", "mounted over the image's own files"),
+        ("/opt/status.json", "mounted over the image's own files"),
+        ("/", "not an absolute file path without '..'"),
+        ("/run/../etc/gpunode/status.json", "not an absolute file path without '..'"),
+        ("/run/gpunode/../status.json", "not an absolute file path without '..'"),
+        ("run/gpunode/status.json", "not an absolute file path"),
+        ("/run/gpunode/", "not an absolute file path"),
+    ],
+)
+def test_a_status_file_that_would_clash_with_a_mount_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], status_file: str, said: str
+) -> None:
+    code = main(["plugin", "manifest", "--status-file", status_file], host=Host(root=tmp_path, env={}))
+    out, err = capsys.readouterr()
+    assert code == 2, out
+    assert out == ""
+    assert f"--status-file {status_file!r}" in err and said in err
+    assert "fix: give a file in a directory of its own" in err
+
+
+def test_the_status_file_is_normalised_and_its_volume_is_the_only_one_there(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    objects = documents(plugin_manifest(tmp_path, capsys, "--status-file", "/run//gpunode/./dp.json"))
+    validate(objects)
+    [container] = objects[-1]["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["GPUNODE_PLUGIN_STATUS_FILE"] == "/run/gpunode/dp.json"
+    assert container["livenessProbe"]["exec"]["command"][-1] == "/run/gpunode/dp.json"
+    paths = [m["mountPath"] for m in container["volumeMounts"]]
+    assert "/run/gpunode" in paths
+    for path in paths:  # no mount on, inside or above another
+        assert not any(o == path or o.startswith(path + "/") for o in paths if o is not path), paths
+
+
+@pytest.mark.parametrize(
+    ("env", "said"),
+    [
+        (
+            {"GPUNODE_SOCKET_DIR": "/"},
+            "socket-dir (env GPUNODE_SOCKET_DIR): '/' would mount the host's whole",
+        ),
+        ({"GPUNODE_SOCKET_DIR": "/var/lib/kubelet/../device-plugins"}, "socket-dir (env GPUNODE_SOCKET_DIR)"),
+        ({"GPUNODE_DRIVER_ROOT": "/run/nvidia/../driver"}, "driver-root (env GPUNODE_DRIVER_ROOT)"),
+    ],
+)
+def test_host_path_settings_a_hostpath_volume_cannot_take_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], env: dict[str, str], said: str
+) -> None:
+    code = main(["plugin", "manifest"], host=Host(root=tmp_path, env=env))
+    out, err = capsys.readouterr()
+    assert code == 4, out
+    assert out == "" and said in err and "fix:" in err
+
+
+def test_host_path_settings_are_normalised_for_the_volumes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    text = plugin_manifest(
+        tmp_path,
+        capsys,
+        GPUNODE_SOCKET_DIR="/var/lib//kubelet/./device-plugins",
+        GPUNODE_DRIVER_ROOT="/run//nvidia/driver",
+    )
+    volumes = {v["name"]: v for v in documents(text)[-1]["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["device-plugins"]["hostPath"]["path"] == "/var/lib/kubelet/device-plugins"
+    assert volumes["driver-root"]["hostPath"]["path"] == "/run/nvidia/driver"
+
+
 def fleets_commands() -> tuple[str, list[str]]:
     """docs/fleets.md's values.yaml (the heredoc) and its command lines, as written there."""
     text = (REPO / "docs/fleets.md").read_text()

@@ -79,3 +79,61 @@ def test_status_of_a_plugin_told_where_to_write(socket_dir: Path) -> None:
     gone = plugin_status("--status-file", str(status_file))
     assert gone.returncode == ExitCode.UNHEALTHY
     assert f"  {status_file} (flag --status-file)" in gone.stdout.splitlines()
+
+
+@pytest.mark.parametrize(("given_by", "name"), [("flag", "plugin.json"), ("env", "status/plugin.json")])
+def test_a_status_file_in_the_socket_directory_is_refused_at_start(
+    socket_dir: Path, given_by: str, name: str
+) -> None:
+    """Issue 23: in it, every status write waited out a 30 s lock the plugin itself held on the socket
+    directory (READY 30 s late, a SIGTERM taking 25 s); in it or below, kubelet deletes the file when it
+    restarts. Refused at start, before anything is served."""
+    status_file = socket_dir / name
+    args = ["--simulate", "pcie-4"]
+    env = {"GPUNODE_PLUGIN_STATUS_FILE": str(status_file)}
+    if given_by == "flag":
+        args += ["--status-file", str(status_file)]
+        env = {}
+    socket_dir.mkdir(parents=True)
+    with PluginProcess(socket_dir, args, profile=None, env=env) as plugin:
+        code = plugin.wait(timeout=120)
+        log = plugin.log()
+    assert code == ExitCode.USAGE, log
+    source = "flag --status-file" if given_by == "flag" else "env GPUNODE_PLUGIN_STATUS_FILE"
+    assert f"the status file {status_file} ({source}) is inside the socket directory {socket_dir}" in log
+    assert "fix: put the status file elsewhere with --status-file or $GPUNODE_PLUGIN_STATUS_FILE" in log
+    assert "Traceback" not in log
+    assert not status_file.exists() and list(socket_dir.iterdir()) == []  # nothing served, nothing left
+
+
+def test_a_reload_that_would_put_the_socket_directory_over_the_status_file_is_refused(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The same rule on SIGHUP: a new socket-dir holding the status file keeps the running config."""
+    import logging
+
+    from gpunode.host import Host
+    from gpunode.plugin.config import PluginConfig, load_config
+    from gpunode.plugin.lifecycle import Plugin
+    from gpunode.plugin.simulate import simulated_inventory
+
+    status_file = tmp_path / "run" / "plugin.json"
+    socket_dirs = [str(tmp_path / "device-plugins"), str(tmp_path / "run")]
+    host = Host(env={})
+
+    def load() -> PluginConfig:
+        return load_config(host, config_path=None, env={"GPUNODE_SOCKET_DIR": socket_dirs[0]})
+
+    plugin = Plugin(
+        host,
+        load,
+        lambda _config: simulated_inventory("pcie-4"),
+        simulated=True,
+        status_file=str(status_file),
+    )
+    socket_dirs.pop(0)  # the file now names the directory the status file is in
+    with caplog.at_level(logging.ERROR, logger="gpunode.plugin"):
+        plugin._reload()
+    assert plugin.config.socket_dir == str(tmp_path / "device-plugins")
+    assert "reload refused, keeping the running configuration" in caplog.text
+    assert f"the status file {status_file}" in caplog.text and "is inside the socket directory" in caplog.text

@@ -272,6 +272,13 @@ def test_shown_strings_are_escaped_as_toml_needs(tmp_path: Path) -> None:
     from gpunode.plugin.config import to_toml
     from tests import tomlread as tomllib
 
-    odd = '/srv/"quoted"\\dir\x7f\U0001f600'
+    # A path setting refuses control characters (issue 23); quotes, backslashes and astral characters
+    # are what it can hold that TOML must escape.
+    odd = '/srv/"quoted"\\dir\U0001f600'
     resolved = load_config(Host(root=tmp_path, env={}), env={"GPUNODE_DRIVER_ROOT": odd})
     assert tomllib.loads(to_toml(resolved))["driver-root"] == odd
+    # Control characters, DEL included, are still written as escapes wherever a string holds one.
+    from gpunode.plugin.config import _toml_string
+
+    control = "a\x7fb\x01c"
+    assert tomllib.loads("k = " + _toml_string(control))["k"] == control

@@ -412,3 +412,45 @@ def test_stopping_hung_daemons_is_bounded(base: Path) -> None:
     took = time.monotonic() - started
     assert all(gone(pid) for pid in pids), took
     assert all(d.pidfd is None for d in daemons)
+
+
+@pytest.mark.parametrize(
+    "stray",
+    [
+        "nvidia.com/other",  # another resource's directory: nothing to do with this one's daemon
+        "nvidia.com/gpu",  # this resource's directory
+        "nvidia.com/gpu/pipe",  # its pipe directory
+    ],
+)
+def test_a_stray_file_under_the_mps_root_is_reported_and_retried_until_it_is_gone(
+    base: Path, stray: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 23: a file where the supervisor expected a directory made its reconcile fail once, and it never
+    reconciled again: the daemon stayed unstarted (and its replicas "starting") until a plugin restart."""
+    program = str(fakemps.install(base / "bin"))
+    path = base / "mps" / stray
+    path.parent.mkdir(parents=True)
+    path.write_text("not a directory\n")
+    states = States()
+    supervisor = MpsSupervisor(Host(), str(base / "mps"), states, find_program=lambda: program)
+    try:
+        with caplog.at_level(logging.INFO, logger="gpunode.plugin"):
+            supervisor.apply([spec_in(base)])
+            if stray.startswith(GPU):  # in this daemon's way: down, saying why, until it is removed
+                deadline = time.monotonic() + 60
+                with states.cond:
+                    while not any(str(base / "mps" / GPU) in (r or "") for _, r in states.calls):
+                        assert time.monotonic() < deadline, states.calls
+                        states.cond.wait(deadline - time.monotonic())
+                    reason = next(r for _, r in states.calls if str(base / "mps" / GPU) in (r or ""))
+                assert reason is not None and reason.startswith("its MPS control daemon is not running (")
+                assert all(r is not None for _, r in states.calls)  # never up with the file there
+                path.unlink()
+            states.wait(up=True, timeout=90)  # no restart: the next try finds the way clear
+            assert fakemps.daemon_pids(base / "mps")
+            assert "MPS control daemon started" in caplog.text
+            if not stray.startswith(GPU):
+                assert f"skipping {stray} under {base / 'mps'}" in caplog.text
+    finally:
+        supervisor.stop()
+    assert fakemps.daemon_pids(base / "mps") == {}
