@@ -9,6 +9,10 @@ doctor --json` with the fake libnvidia-ml.so.1 of tests/fakenvml serving 8 simul
 under. The commands run interleaved — one run of each, N rounds after a warm-up round — so a burst of load
 on this shared machine lands on all of them alike. Each figure is the median and best of N.
 
+`gpunode doctor` with containerd installed (issue 24: its `--version` and `config dump` run side by side,
+the TOML read with tomllib): the test bed's containerd 1.6 and its stock config, in a private mount
+namespace (see `_containerd_doctor_row`).
+
 `--baseline REV` also runs every gpunode row from `git archive REV gpunode` (through PYTHONPATH, the same
 interpreter and packages) in the same rounds: before/after figures from one run.
 """
@@ -89,9 +93,51 @@ def gpunode_rows(label: str, python_path: Path, tmp: Path, text: str) -> list[Ro
             before_each=fresh,
         ),
     ]
+    containerd = _containerd_doctor_row(label, gpunode, env, tmp)
+    rows += [containerd] if containerd is not None else []
     for row in rows:
         row.cwd = python_path
     return rows
+
+
+def _containerd_doctor_row(label: str, gpunode: list[str], env: dict[str, str], tmp: Path) -> Row | None:
+    """`gpunode doctor` with containerd installed: the test bed's containerd 1.6 first on PATH, its own
+    `config default` as /etc/containerd/config.toml — a tmpfs over /etc/containerd in a private mount
+    namespace (`unshare`, root), so this machine's /etc is never touched. doctor then runs `containerd
+    --version` and `containerd config dump` and parses the file and the dump. None (no row) without root,
+    an /etc/containerd to mount over or the test bed."""
+    from tests import testbed
+
+    program = testbed.location("containerd-1.6")
+    if os.geteuid() != 0 or not Path("/etc/containerd").is_dir() or not os.access(program, os.X_OK):
+        print(
+            "(no `doctor` row with containerd: it needs root, an /etc/containerd directory and the test "
+            "bed's containerd 1.6: ./install.sh --dev)",
+            file=sys.stderr,
+        )
+        return None
+    config = tmp / "containerd-config.toml"
+    if not config.exists():
+        config.write_text(
+            subprocess.run(
+                [str(program), "config", "default"], capture_output=True, text=True, check=True
+            ).stdout
+        )
+    script = 'mount -t tmpfs tmpfs /etc/containerd && cp "$0" /etc/containerd/config.toml && exec "$@"'
+    argv = [
+        "unshare",
+        "--mount",
+        "--propagation",
+        "private",
+        "sh",
+        "-c",
+        script,
+        str(config),
+        *gpunode,
+        "doctor",
+    ]
+    path_env = {**env, "PATH": testbed.path_with("containerd-1.6")}
+    return Row(f"{label}`gpunode doctor` (containerd 1.6 installed, stock config)", argv, path_env)
 
 
 def main() -> None:

@@ -466,6 +466,48 @@ class Host:
         """Run a command (argument list). Non-zero exit is returned, not raised: call .check()."""
         return self.runner.run(argv, timeout=timeout, env=env, input=input)
 
+    def run_together(
+        self, commands: Sequence[tuple[Sequence[str], float]]
+    ) -> list[CommandResult | CommandFailed]:
+        """Run independent read-only commands (argument list, timeout) at the same time, through the same
+        runner as run(): doctor asks containerd for its version and its config dump, ~20 ms and ~60 ms of
+        process start each, and waiting for them one after the other was a quarter of its time. Each
+        answer in the order given: the result, or the CommandFailed its run() raised."""
+
+        def one(argv: Sequence[str], timeout: float) -> CommandResult | CommandFailed:
+            try:
+                return self.runner.run(argv, timeout=timeout)
+            except CommandFailed as exc:
+                return exc
+
+        answers: list[CommandResult | CommandFailed | None] = [None] * len(commands)
+
+        def into(n: int) -> None:
+            answers[n] = one(*commands[n])
+
+        # The first in this thread, the others in threads of their own (the runner waits on a process,
+        # which frees the GIL); any other exception of a thread is its bug, and is raised here too.
+        failures: list[BaseException] = []
+
+        def guarded(n: int) -> None:
+            try:
+                into(n)
+            except BaseException as exc:  # handed to the caller's thread below
+                failures.append(exc)
+
+        threads = [threading.Thread(target=guarded, args=(n,), daemon=True) for n in range(1, len(commands))]
+        for thread in threads:
+            thread.start()
+        try:
+            if commands:
+                into(0)
+        finally:
+            for thread in threads:
+                thread.join()
+        if failures:
+            raise failures[0]
+        return [a for a in answers if a is not None]
+
     def stream(
         self,
         argv: Sequence[str],

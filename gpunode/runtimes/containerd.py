@@ -15,10 +15,10 @@ from dataclasses import dataclass, replace
 from pathlib import PurePosixPath
 from typing import Any
 
-from gpunode.errors import ConfigError
-from gpunode.host import Host
-from gpunode.runtimes.edits import plain, read_toml
+from gpunode.errors import CommandFailed, ConfigError
+from gpunode.host import CommandResult, Host
 from gpunode.runtimes.model import DEFAULT_NVIDIA_RUNTIME_NAME, RuntimeConfigState
+from gpunode.runtimes.tomlread import plain, read_toml
 
 DEFAULT_CONFIG = "/etc/containerd/config.toml"
 K3S_DIR = "/var/lib/rancher/k3s/agent/etc/containerd"
@@ -36,6 +36,7 @@ MICROK8S_TEMPLATE = f"{MICROK8S_DIR}/containerd-template.toml"
 BUILTIN_DEFAULT_RUNTIME = "runc"
 NVIDIA_RUNTIME_BINARY = "nvidia-container-runtime"
 VERSION_TIMEOUT = 5.0
+DUMP_TIMEOUT = 30.0
 
 CRI_TABLES: Mapping[int, tuple[str, ...]] = {
     1: ("plugins", "cri"),
@@ -167,7 +168,13 @@ def installed_containerd_version(host: Host) -> tuple[int, int] | None:
     from gpunode.runtimes import probe
 
     result, _ = probe.run(host, "containerd", ["--version"], timeout=VERSION_TIMEOUT)
-    return parse_containerd_version(result.stdout) if result is not None and result.ok else None
+    return _version_of(result)
+
+
+def _version_of(result: CommandResult | CommandFailed | None) -> tuple[int, int] | None:
+    if not isinstance(result, CommandResult) or not result.ok:
+        return None
+    return parse_containerd_version(result.stdout)
 
 
 def installed_containerd_major(host: Host) -> int | None:
@@ -477,10 +484,18 @@ def effective_config(host: Host, path: str) -> Dump | None:
     image's), no containerd program, or no file. A file containerd itself refuses raises ConfigError with
     containerd's own words.
     """
+    argv = _dump_argv(host, path)
+    return None if argv is None else _dump_of(host.run(argv, timeout=DUMP_TIMEOUT), path)
+
+
+def _dump_argv(host: Host, path: str) -> list[str] | None:
     program = host.which("containerd")
     if not host.is_real_root or program is None or not host.exists(path):
         return None
-    result = host.run([program, "--config", path, "config", "dump"], timeout=30)
+    return [program, "--config", path, "config", "dump"]
+
+
+def _dump_of(result: CommandResult, path: str) -> Dump:
     if not result.ok:
         said = "\n".join((result.stderr or result.stdout).strip().splitlines()[-5:])
         raise ConfigError(
@@ -499,15 +514,27 @@ def effective_config(host: Host, path: str) -> Dump | None:
 def read_state(host: Host, path: str | None = None, *, effective: bool = False) -> RuntimeConfigState:
     """The runtimes gpunode reads from the files. With `effective`, where containerd can be asked (see
     effective_config), containerd's own dump decides, and a disagreement with the files is a problem."""
-    state = _read_files(host, path)
     if not effective:
-        return state
+        return _read_files(host, path)
+    location_note = None
+    if path is None:
+        path, location_note = detect_config_path(host)
+    dump_argv = _dump_argv(host, path)
+    if dump_argv is None:
+        return _read_files(host, path, location_note=location_note)
+    # `containerd --version` and `config dump` are independent, and most of each is containerd's own
+    # start: asked together. Where the dump can be asked (the real root), the version probe runs the same
+    # program (gpunode.runtimes.probe).
+    version_answer, dump_answer = host.run_together(
+        [([dump_argv[0], "--version"], VERSION_TIMEOUT), (dump_argv, DUMP_TIMEOUT)]
+    )
+    state = _read_files(host, path, location_note=location_note, installed=_version_of(version_answer))
+    if isinstance(dump_answer, CommandFailed):
+        raise dump_answer  # as host.run raised it when the two ran one after the other
     try:
-        dump = effective_config(host, state.config_path)
+        dump = _dump_of(dump_answer, path)
     except ConfigError as exc:
         return replace(state, notes=(*state.notes, exc.message), problems=(*state.problems, exc.message))
-    if dump is None:
-        return state
     runtimes = configured_runtimes(dump.doc, dump.version)
     default = default_runtime_name(dump.doc, dump.version)
     nvidia = find_nvidia_runtime(runtimes, dump.doc, dump.version, default)
@@ -531,12 +558,26 @@ def read_state(host: Host, path: str | None = None, *, effective: bool = False) 
     )
 
 
-def _read_files(host: Host, path: str | None = None) -> RuntimeConfigState:
-    notes: list[str] = []
+class _Ask:
+    """_read_files' `installed` when nobody asked yet: it runs `containerd --version` itself."""
+
+
+_ASK = _Ask()
+
+
+def _read_files(
+    host: Host,
+    path: str | None = None,
+    *,
+    location_note: str | None = None,
+    installed: tuple[int, int] | _Ask | None = _ASK,
+) -> RuntimeConfigState:
+    notes: list[str] = [location_note] if location_note else []
     if path is None:
         path, location_note = detect_config_path(host)
         notes.extend([location_note] if location_note else [])
-    installed = installed_containerd_version(host)
+    if isinstance(installed, _Ask):
+        installed = installed_containerd_version(host)
     text = host.read_text_if_exists(path)
     if text is not None and _is_template(path) and has_go_template_syntax(text):
         notes.append(

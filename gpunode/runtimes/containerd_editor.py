@@ -15,8 +15,9 @@ from typing import Any
 from gpunode.errors import ConfigError, NotFound, UsageError
 from gpunode.host import Host
 from gpunode.runtimes import containerd as ctd
-from gpunode.runtimes.edits import ABSENT, Editor, TomlFormat, lookup, new_toml_document, plain
+from gpunode.runtimes.edits import ABSENT, Editor, TomlFormat, lookup, new_toml_document
 from gpunode.runtimes.plan import ConfigureOptions, FileChange, RuntimePlan
+from gpunode.runtimes.tomlread import plain
 
 RUNC_V2 = ctd.RUNC_V2
 UNITS = {

@@ -20,8 +20,9 @@ from gpunode.errors import ConfigError, NotFound, UsageError
 from gpunode.host import Host
 from gpunode.runtimes import crio
 from gpunode.runtimes.containerd import parse_toml
-from gpunode.runtimes.edits import ABSENT, Editor, TomlFormat, lookup, new_toml_document, plain
+from gpunode.runtimes.edits import ABSENT, Editor, TomlFormat, lookup, new_toml_document
 from gpunode.runtimes.plan import ConfigureOptions, FileChange, RuntimePlan
+from gpunode.runtimes.tomlread import plain
 
 DROPIN = f"{crio.DROPIN_DIR}/99-nvidia.toml"
 UNIT = "crio.service"

@@ -23,6 +23,7 @@ from tomlkit.exceptions import ParseError, TOMLKitError
 from tomlkit.items import AoT, Item, String, StringType, Table, Whitespace
 
 from gpunode.errors import ConfigError, UneditableToml
+from gpunode.runtimes.tomlread import plain
 
 
 class _Absent:
@@ -69,16 +70,6 @@ class Edit:
 
     def describe(self) -> str:
         return ".".join(f'"{k}"' if "." in k else k for k in self.path)
-
-
-def plain(value: Any) -> Any:
-    """tomlkit items (and nested containers) as plain Python values."""
-    if isinstance(value, Mapping):
-        return {str(k): plain(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [plain(v) for v in value]
-    unwrap = getattr(value, "unwrap", None)
-    return unwrap() if callable(unwrap) else value
 
 
 def lookup(doc: Mapping[str, Any], path: Sequence[str]) -> Any:
@@ -378,13 +369,10 @@ def parse_toml_document(text: str, path: str) -> tomlkit.TOMLDocument:
 
 
 def read_toml(text: str, path: str) -> dict[str, Any]:
-    """A TOML file's plain values, for reading only: a valid layout tomlkit cannot parse is read by
-    tomllib, so doctor, status and the plugin's config reader take what the runtime takes."""
-    try:
-        return parse_toml_document(text, path).unwrap()
-    except UneditableToml:
-        data: dict[str, Any] = _tomllib().loads(text)
-        return data
+    """A TOML file's plain values, for reading only (gpunode.runtimes.tomlread: tomllib first)."""
+    from gpunode.runtimes.tomlread import read_toml as read
+
+    return read(text, path)
 
 
 def _tomllib() -> Any:
