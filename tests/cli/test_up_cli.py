@@ -199,7 +199,9 @@ def test_dry_run_plans_the_toolkit_offline_and_applying_checks_the_key(
         fetched.append(url)
         return KEY.read_bytes()
 
-    monkeypatch.setitem(toolkit_install.plan_install.__kwdefaults__, "fetch", fetch)
+    defaults = toolkit_install.plan_install.__kwdefaults__
+    assert defaults is not None
+    monkeypatch.setitem(defaults, "fetch", fetch)
     args = ["up", "--key-fingerprint", KEY_FPR, "--server", api.url]
     code = main([*args, "--dry-run"], host=node)
     out, err = capsys.readouterr()
