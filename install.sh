@@ -45,7 +45,8 @@ Options:
                    (then: python -m tests.testbed fetch)
   --python PATH    the Python interpreter to use (default: the first of /usr/bin/python3,
                    python3.13 .. python3.10, python3 that is at least $MIN_PYTHON)
-  --uninstall      remove the link, the completion scripts and the virtualenv, and nothing else;
+  --uninstall      remove the link, the completion scripts (and the directories install.sh made for
+                   them, once empty) and the virtualenv, and nothing else;
                    refused while the device plugin service is installed (run 'gpunode down' first)
   -h, --help       show this help
 EOF
@@ -107,6 +108,10 @@ ORIGINAL_ARGS=("$@")
 # program that is gone, and the node's runtime configuration and labels in place with no tool to undo them.
 PLUGIN_UNIT="${GPUNODE_SYSTEMD_DIR:-/etc/systemd/system}/gpunode-device-plugin.service"
 
+# The completion directories install.sh made itself (each level that was missing, deepest first), kept in the
+# virtualenv: --uninstall removes them once empty, and never a directory that was there before.
+CREATED_DIRS="$PREFIX/.gpunode-created-dirs"
+
 if [ "$UNINSTALL" -eq 1 ]; then
     if [ -e "$PLUGIN_UNIT" ] || [ -L "$PLUGIN_UNIT" ]; then
         die "the gpunode device plugin service is still installed ($PLUGIN_UNIT); removing gpunode now would leave it running a program that is gone" \
@@ -126,6 +131,14 @@ if [ "$UNINSTALL" -eq 1 ]; then
             say "removed $path"
         fi
     done
+    if [ -f "$CREATED_DIRS" ]; then
+        while IFS= read -r dir; do
+            # rmdir removes only an empty directory: another program's file in it keeps it.
+            if [ -n "$dir" ] && [ -d "$dir" ] && [ ! -L "$dir" ] && rmdir "$dir" 2>/dev/null; then
+                say "removed the empty directory $dir"
+            fi
+        done < <(sort -ru "$CREATED_DIRS")  # reversed: a directory's children before it
+    fi
     if [ -x "$PREFIX/bin/python" ] && [ -f "$PREFIX/pyvenv.cfg" ]; then
         writable "$(dirname "$PREFIX")" || require_root_for "$PREFIX"
         rm -rf "$PREFIX"
@@ -241,6 +254,11 @@ if [ "$LINK" -eq 1 ] && [ "$COMPLETION" -eq 1 ]; then
         for entry in "${COMPLETIONS[@]}"; do
             shell="${entry%%:*}" path="${entry#*:}"
             writable "$(dirname "$path")" || require_root_for "$path"
+            dir="$(dirname "$path")"
+            while [ ! -d "$dir" ]; do
+                printf '%s\n' "$dir" >>"$CREATED_DIRS"
+                dir="$(dirname "$dir")"
+            done
             mkdir -p "$(dirname "$path")"
             tmp="$(mktemp "$(dirname "$path")/.gpunode-completion.XXXXXX")"
             if "$PREFIX/bin/gpunode" completion "$shell" >"$tmp"; then

@@ -147,10 +147,14 @@ def _toolkit(host: Host, opts: UpOptions) -> Step:
     satisfied = toolkit.satisfied(current.installed, wanted)
     if satisfied and not current.drift:
         return Step("toolkit", f"nvidia-container-toolkit {current.version} is installed", needed=False)
-    plan = toolkit.plan_install(host, install_opts)
-    if plan.changes_nothing:
+    # Offline: the plan only shows what is to be done (a dry run needs no network); the key is downloaded
+    # and checked in apply(), which plans again.
+    plan = toolkit.plan_install(host, install_opts, fetch_key=False)
+    if plan.changes_nothing and plan.key_download is None:
         return Step("toolkit", f"nvidia-container-toolkit {current.version} is installed", needed=False)
-    details = [f"write {f.file.path}" for f in plan.files if f.changed] + [f"run: {c}" for c in plan.commands]
+    details = [plan.key_download_note] if plan.key_download_note else []
+    details += [f"write {f.file.path}" for f in plan.files if f.changed]
+    details += [f"run: {c}" for c in plan.commands]
     details += [f"repair: {d}" for d in plan.drift] + [f"warning: {w}" for w in plan.warnings]
 
     def apply() -> str:

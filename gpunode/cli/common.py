@@ -19,6 +19,30 @@ def complete_runtime(ctx: click.Context, param: click.Parameter, incomplete: str
     return [name for name in ("docker", "containerd", "crio") if name.startswith(incomplete)]
 
 
+def complete_mig_strategy(ctx: click.Context, param: click.Parameter, incomplete: str) -> list[str]:
+    """Shell completion only (the plugin's own config reading judges the value, with its fix line)."""
+    from gpunode.plugin.devices import MIG_STRATEGIES
+
+    return [name for name in MIG_STRATEGIES if name.startswith(incomplete)]
+
+
+def complete_device_list_strategy(ctx: click.Context, param: click.Parameter, incomplete: str) -> list[str]:
+    """The strategies, for the last item of a comma-separated list (`envvar,cdi-` → `envvar,cdi-cri`)."""
+    from gpunode.plugin.config import DEVICE_LIST_STRATEGIES
+
+    done, _, last = incomplete.rpartition(",")
+    given = set(done.split(",")) if done else set()
+    prefix = f"{done}," if done else ""
+    return [prefix + name for name in DEVICE_LIST_STRATEGIES if name.startswith(last) and name not in given]
+
+
+def complete_simulate(ctx: click.Context, param: click.Parameter, incomplete: str) -> list[str]:
+    """The built-in simulated nodes (imported only when a shell asks: the plugin's start-up skips it)."""
+    from gpunode.plugin.simulate import PROFILES
+
+    return [name for name in PROFILES if name.startswith(incomplete)]
+
+
 class HelpFormatter(click.HelpFormatter):
     """click's help, but on a narrow terminal each option's text goes under its name, across the width,
     instead of in a column a few characters wide beside names that take 30."""

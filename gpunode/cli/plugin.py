@@ -7,7 +7,13 @@ from typing import Any, TypeVar
 
 import click
 
-from gpunode.cli.common import Group, exit_codes
+from gpunode.cli.common import (
+    Group,
+    complete_device_list_strategy,
+    complete_mig_strategy,
+    complete_simulate,
+    exit_codes,
+)
 from gpunode.cli.plugin_manifest import manifest
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -23,8 +29,14 @@ def app() -> None:
     pass
 
 
-def _flag(flag: str, env: str, text: str, metavar: str, type_: Any = None) -> Callable[[F], F]:
-    return click.option(flag, metavar=metavar, type=type_, help=f"{text} (env {env})")
+def _flag(
+    flag: str, env: str, text: str, metavar: str, type_: Any = None, complete: Any = None
+) -> Callable[[F], F]:
+    # A plain value with shell completion, not click.Choice: the plugin's config reading judges the value
+    # (the flag, its environment variable and the file the same way).
+    return click.option(
+        flag, metavar=metavar, type=type_, help=f"{text} (env {env})", shell_complete=complete
+    )
 
 
 class _Int(click.types.IntParamType):
@@ -63,6 +75,7 @@ def _switch(flag: str, env: str, text: str) -> Callable[[F], F]:
 @click.option(
     "--simulate",
     metavar="PROFILE",
+    shell_complete=complete_simulate,
     help="Serve a built-in simulated node instead of NVML's GPUs (dgx-a100, pcie-4, pairs-4, mig, h100, "
     "...): demos and scheduler tests on GPU-less clusters.",
 )
@@ -85,12 +98,19 @@ def _switch(flag: str, env: str, text: str) -> Callable[[F], F]:
     "default /run/gpunode/plugin-status.json).",
 )
 @_flag("--resource-name", "GPUNODE_RESOURCE_NAME", "Resource to advertise (default nvidia.com/gpu).", "NAME")
-@_flag("--mig-strategy", "GPUNODE_MIG_STRATEGY", "none | single | mixed (default none).", "STRATEGY")
+@_flag(
+    "--mig-strategy",
+    "GPUNODE_MIG_STRATEGY",
+    "none | single | mixed (default none).",
+    "STRATEGY",
+    complete=complete_mig_strategy,
+)
 @_flag(
     "--device-list-strategy",
     "GPUNODE_DEVICE_LIST_STRATEGY",
     "Comma-separated: envvar, volume-mounts, cdi-cri, cdi-annotations (default envvar).",
     "LIST",
+    complete=complete_device_list_strategy,
 )
 @_flag("--device-id-strategy", "GPUNODE_DEVICE_ID_STRATEGY", "uuid | index (default uuid).", "STRATEGY")
 @_switch("--pass-device-specs", "GPUNODE_PASS_DEVICE_SPECS", "Also pass the /dev/nvidia* device nodes.")

@@ -99,8 +99,8 @@ def check_capacity(ctx: Context) -> Iterable[Finding]:
             f"node {node} advertises {capacity or 'no'} {resource} although {present}",
             detail="Pods asking for GPUs cannot be scheduled here. Typical after a kubelet restart when the "
             "device plugin did not register again, or when no plugin runs.",
-            fix=f"`gpunode plugin status`; `sudo systemctl restart {paths.PLUGIN_SERVICE}` "
-            "(or `sudo gpunode plugin install`)",
+            fix=f"`gpunode plugin status`; `systemctl restart {paths.PLUGIN_SERVICE}` "
+            "(or `gpunode plugin install`)",
         )
     elif str(expected) != capacity:
         yield Finding(

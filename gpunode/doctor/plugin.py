@@ -49,7 +49,7 @@ def check_plugin(ctx: Context) -> Iterable[Finding]:
             "plugin",
             Status.FAIL,
             "no GPU device plugin is serving: the node advertises no nvidia.com/gpu",
-            fix="install gpunode's device plugin as a service: `sudo gpunode plugin install`, or deploy "
+            fix="install gpunode's device plugin as a service: `gpunode plugin install`, or deploy "
             "NVIDIA's k8s-device-plugin DaemonSet",
         )
     if (

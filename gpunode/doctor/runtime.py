@@ -22,7 +22,7 @@ def check_toolkit(ctx: Context) -> Iterable[Finding]:
             Status.FAIL,
             f"nvidia-container-toolkit is not installed ({', '.join(missing)} not found)",
             detail="Without nvidia-container-runtime no container runtime can give a container a GPU.",
-            fix="sudo gpunode toolkit install (NVIDIA's signed repository, its key checked; add --dry-run "
+            fix="gpunode toolkit install (NVIDIA's signed repository, its key checked; add --dry-run "
             "to see every file and command first)",
         )
         return

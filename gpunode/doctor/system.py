@@ -24,7 +24,7 @@ def check_os(ctx: Context) -> Iterable[Finding]:
             "os.privileges",
             Status.WARN,
             "not running as root: some files and devices may be unreadable",
-            fix="run `sudo gpunode doctor` for a complete diagnosis",
+            fix="run `gpunode doctor` as root for a complete diagnosis",
         )
 
 

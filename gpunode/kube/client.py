@@ -2,12 +2,17 @@
 
 Built on requests (imported here, never at gpunode's import). Every call has a connect timeout, a read
 timeout, and an overall deadline for the whole answer, whose size is bounded too (gpunode.kube.transport):
-a server that trickles its answer or sends without end is cut off with a clear error. Connection
-failures, 429 and 500/502/503/504 are retried a bounded number of times with exponential backoff and
-jitter (Retry-After honoured); a read timeout or a missed deadline is not retried, since a hung server
-would make the user wait the timeout again for each try. Read-modify-write operations (`update_node_status`,
-`update_node`) carry the resourceVersion they read, so a concurrent writer makes the server answer 409,
-and the read, the computation and the write are then done again.
+a server that trickles its answer or sends without end is cut off with a clear error.
+
+Only an answer that says "try again" is retried, a bounded number of times with exponential backoff and
+jitter: 429 and 500/502/503/504 (Retry-After honoured), and, for a GET (safe to send twice), a connection
+the server reset or closed after the request was sent. A server that cannot be reached at all (connection
+refused, a name that does not resolve, no route, no connection within the connect timeout) is final at
+once, as kubectl gives up: trying again would only make the user wait, in a dry run too. A read timeout or
+a missed deadline is not retried either, since a hung server would make the user wait the timeout again.
+Read-modify-write operations (`update_node_status`, `update_node`) carry the resourceVersion they read,
+so a concurrent writer makes the server answer 409, and the read, the computation and the write are then
+done again.
 
 Every failure is an ApiError whose message is one sentence naming what failed and why; the bearer token
 never appears in a message, a log line or a repr — nor in the exceptions a message was made from, which
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import email.utils
+import http.client
 import ipaddress
 import json
 import logging
@@ -403,7 +409,7 @@ class KubeClient:
             failure = self._tls_error(shown, exc)
         except requests.exceptions.ConnectTimeout as exc:
             cause = exc
-            failure = _Retry(
+            failure = ApiError(
                 f"cannot reach the Kubernetes API at {shown}: "
                 f"no connection within {min(self.timeouts.connect, deadline or self.timeouts.connect):g} s",
                 self._unreachable_fix(),
@@ -424,9 +430,13 @@ class KubeClient:
             )
         except (requests.exceptions.ConnectionError, requests.exceptions.ChunkedEncodingError) as exc:
             cause = exc
-            failure = _Retry(
-                f"cannot reach the Kubernetes API at {shown}: {_reason(exc)}", self._unreachable_fix()
-            )
+            message = f"cannot reach the Kubernetes API at {shown}: {_reason(exc)}"
+            # Only a connection cut after the request went out may be a server in the middle of restarting;
+            # a PATCH is not sent twice (the first may have been applied).
+            if method == "GET" and _cut_after_sending(exc):
+                failure = _Retry(message, self._unreachable_fix())
+            else:
+                failure = ApiError(message, self._unreachable_fix())
         except requests.exceptions.RequestException as exc:
             cause = exc
             failure = ApiError(f"cannot send the request to the Kubernetes API at {shown}: {_reason(exc)}")
@@ -852,6 +862,23 @@ def _find_cause(exc: BaseException, kind: type[BaseException]) -> BaseException 
         nested = [current.__cause__, current.__context__, getattr(current, "reason", None), *current.args]
         pending.extend(e for e in nested if isinstance(e, BaseException))
     return None
+
+
+def _cut_after_sending(exc: BaseException) -> bool:
+    """Whether a transport failure is the server resetting or closing a connection it had accepted (the
+    request sent, no whole answer back), rather than no connection at all (refused, DNS, no route)."""
+    if isinstance(exc, requests.exceptions.ChunkedEncodingError):
+        return True
+    if _find_cause(exc, ConnectionRefusedError) is not None or _find_cause(exc, socket.gaierror) is not None:
+        return False
+    if isinstance(exc, requests.exceptions.ProxyError):
+        return False
+    if _find_cause(exc, ConnectionResetError) is not None:
+        return True
+    if _find_cause(exc, http.client.RemoteDisconnected) is not None:
+        return True
+    text = str(exc)
+    return "RemoteDisconnected" in text or "Connection aborted" in text
 
 
 def _reason(exc: BaseException) -> str:

@@ -432,7 +432,7 @@ def apply(
             records.save(host, new_records)
         else:
             for path in sorted(fresh):
-                host.remove_file(records.backup_path(path))  # a stale copy from an older cycle
+                records.remove_backup(host, records.backup_path(path))  # a stale copy from an older cycle
             # The record goes first: a crash after it leaves files that are still the originals, which
             # revert and the next run recognise by their checksum.
             records.save(host, new_records)
@@ -488,7 +488,7 @@ def _remove_backups(host: Host, plan: RuntimePlan, old_records: records.Records)
     for record_path in (c.path for c in plan.changes):
         old = old_records.files.get(record_path)
         if old is not None and old.backup is not None:
-            host.remove_file(old.backup)
+            records.remove_backup(host, old.backup)
 
 
 def _write(host: Host, change: FileChange, plan: RuntimePlan, *, first: bool, outcome: Outcome) -> None:
@@ -556,7 +556,7 @@ def _roll_back(
     if not failed:
         try:
             for path in sorted(fresh):
-                host.remove_file(records.backup_path(path))  # the file is its own original again
+                records.remove_backup(host, records.backup_path(path))  # the file is its own original again
             records.save(host, old_records)
         except (GpunodeError, OSError) as exc:
             failed.append(f"{records.RECORDS} ({exc})")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import posixpath
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -35,6 +36,20 @@ def sha256(data: bytes | str | None) -> str | None:
 
 def backup_path(host_path: str) -> str:
     return f"{BACKUP_DIR}{host_path}"
+
+
+def remove_backup(host: Host, backup: str) -> bool:
+    """Remove a backup, then the directories it leaves empty under BACKUP_DIR (BACKUP_DIR too): they
+    mirror the backed-up file's path and were made for it (Host.write_file's backup_to). The walk stops at
+    the first directory with anything in it (another backup: the plugin's unit is kept here too) and never
+    leaves BACKUP_DIR. True when the backup was there."""
+    removed = host.remove_file(backup)
+    directory = posixpath.dirname(backup)
+    while directory == BACKUP_DIR or directory.startswith(BACKUP_DIR + "/"):
+        if host.listdir(directory) or not host.remove_empty_dir(directory):
+            break
+        directory = posixpath.dirname(directory)
+    return removed
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,10 @@ class ToolkitPlan:
     repo_url: str = managers.DEFAULT_REPO_URL
     warnings: tuple[str, ...] = ()
     drift: tuple[str, ...] = ()  # what install repairs in the repository files (see `drift`)
+    # A plan only to be shown (fetch_key=False): the key is still to be downloaded from here, and checked,
+    # when the plan is made again to be applied. Its file is not among `files` then.
+    key_download: str | None = None
+    key_download_note: str | None = None
 
     @property
     def changes_nothing(self) -> bool:
@@ -123,7 +127,11 @@ def plan_install(
     opts: InstallOptions,
     *,
     fetch: Callable[[str], bytes] = keys.fetch_key,
+    fetch_key: bool = True,
 ) -> ToolkitPlan:
+    """The install's plan. fetch_key=False: a plan to show only (a dry run), made offline — the key is not
+    downloaded (a --key-file is still read and checked), the plan says from where it will be, and
+    apply_install refuses it; apply a plan made again with the key."""
     wanted = managers.package_version(opts.version) if opts.version else None
     record = read_record(host)
     recorded_url = record.get("repo_url") if isinstance(record.get("repo_url"), str) else None
@@ -148,13 +156,26 @@ def plan_install(
     if satisfied(installed, wanted) and not found:
         return ToolkitPlan(dist, manager, installed, wanted, repo_url=repo_url, warnings=warnings)
     source = opts.key_file or f"{repo_url}/gpgkey"
-    data = keys.read_key_file(opts.key_file) if opts.key_file else fetch(source)
-    key = keys.parse_key(data, source)
-    keys.check_trusted(key, expected, custom=expected != keys.NVIDIA_FINGERPRINTS)
-    files = tuple(
-        PlannedFile(f, host.read_bytes(f.path), _mode(host, f.path))
-        for f in manager.repo_files(repo_url, key, opts.experimental)
-    )
+    key: keys.PublicKey | None = None
+    key_note: str | None = None
+    if opts.key_file or fetch_key:
+        data = keys.read_key_file(opts.key_file) if opts.key_file else fetch(source)
+        key = keys.parse_key(data, source)
+        keys.check_trusted(key, expected, custom=expected != keys.NVIDIA_FINGERPRINTS)
+        repo_files = manager.repo_files(repo_url, key, opts.experimental)
+    else:
+        # The other files do not depend on the key's bytes: plan them with an empty stand-in, and leave the
+        # key's own file out (it is written, after its check, only when applying).
+        stand_in = keys.PublicKey(packets=b"", fingerprints=(), source=source)
+        repo_files = [
+            f for f in manager.repo_files(repo_url, stand_in, opts.experimental) if f.path != manager.key_path
+        ]
+        key_note = (
+            f"download the signing key from {source} when applying, check it is "
+            f"{'the key with fingerprint' if len(expected) == 1 else 'signed by one of'} "
+            f"{', '.join(expected)}, then write {manager.key_path} (not downloaded in a dry run)"
+        )
+    files = tuple(PlannedFile(f, host.read_bytes(f.path), _mode(host, f.path)) for f in repo_files)
     notes = []
     have = {p: v for p, v in installed.items() if v}
     if have:
@@ -178,6 +199,8 @@ def plan_install(
         repo_url=repo_url,
         warnings=warnings,
         drift=tuple(found),
+        key_download=None if key is not None else source,
+        key_download_note=key_note,
     )
 
 
@@ -332,6 +355,8 @@ def _runtimes_still_using_it(host: Host) -> list[str]:
 
 
 def apply_install(host: Host, plan: ToolkitPlan, progress: Progress | None = None) -> Outcome:
+    if plan.key_download is not None:  # a caller's mistake, never the operator's: a key must be checked
+        raise ValueError(f"a plan without its key ({plan.key_download}) is for showing, not for applying")
     progress = progress or Progress()
     outcome = Outcome()
     written: list[PlannedFile] = []

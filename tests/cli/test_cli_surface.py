@@ -365,6 +365,22 @@ def test_bash_completes_commands_options_and_arguments() -> None:
     assert completions(["gpunode", "--no-c"]) == ["--no-color"]
 
 
+def test_bash_completes_the_plugins_values() -> None:
+    assert completions(["gpunode", "plugin", "run", "--mig-strategy", ""]) == ["none", "single", "mixed"]
+    assert completions(["gpunode", "plugin", "run", "--mig-strategy", "m"]) == ["mixed"]
+    assert completions(["gpunode", "plugin", "run", "--device-list-strategy", "cdi-"]) == [
+        "cdi-cri",
+        "cdi-annotations",
+    ]
+    # The last item of the comma-separated list, without the ones already given.
+    assert completions(["gpunode", "plugin", "run", "--device-list-strategy", "envvar,"]) == [
+        "envvar,volume-mounts",
+        "envvar,cdi-cri",
+        "envvar,cdi-annotations",
+    ]
+    assert completions(["gpunode", "plugin", "run", "--simulate", "p"]) == ["pcie-4", "pairs-4"]
+
+
 def test_bash_script_is_valid_bash(tmp_path: Path) -> None:
     path = tmp_path / "gpunode.bash"
     path.write_text(script(cli_main.cli, "bash"))

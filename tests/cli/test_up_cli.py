@@ -15,7 +15,8 @@ import pytest
 from gpunode.cli.main import main
 from gpunode.errors import ExitCode
 from gpunode.host import CommandResult, Host
-from gpunode.toolkit.managers import PACKAGES
+from gpunode.toolkit import install as toolkit_install
+from gpunode.toolkit.managers import APT_KEYRING, DEFAULT_REPO_URL, PACKAGES
 from tests.kubeapi.apiserver import ApiServer
 from tests.pkgfake import FakePackages
 
@@ -186,6 +187,38 @@ def test_dry_run_prints_the_whole_plan_and_changes_nothing(
     assert sorted(p.relative_to(node.root) for p in node.root.rglob("*")) == before
     assert runner(node).changes == []
     assert [r.method for r in api.requests] == ["GET"]
+
+
+def test_dry_run_plans_the_toolkit_offline_and_applying_checks_the_key(
+    node: Host, api: ApiServer, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # No --key-file: the key is NVIDIA's URL. The download is stood in for, and counted.
+    fetched: list[str] = []
+
+    def fetch(url: str) -> bytes:
+        fetched.append(url)
+        return KEY.read_bytes()
+
+    defaults = toolkit_install.plan_install.__kwdefaults__
+    assert defaults is not None
+    monkeypatch.setitem(defaults, "fetch", fetch)
+    args = ["up", "--key-fingerprint", KEY_FPR, "--server", api.url]
+    code = main([*args, "--dry-run"], host=node)
+    out, err = capsys.readouterr()
+    assert code == ExitCode.OK, err
+    assert fetched == []  # a dry run plans offline
+    assert (
+        f"download the signing key from {DEFAULT_REPO_URL}/gpgkey when applying, check it is the key with "
+        f"fingerprint {KEY_FPR}, then write {APT_KEYRING} (not downloaded in a dry run)"
+    ) in out
+    assert "write /etc/apt/sources.list.d/nvidia-container-toolkit.list" in out
+    assert not node.path(APT_KEYRING).exists()
+
+    code = main([*args, "--yes"], host=node)
+    out, err = capsys.readouterr()
+    assert code == ExitCode.OK, err
+    assert fetched == [f"{DEFAULT_REPO_URL}/gpgkey"]  # downloaded, and checked, only when applying
+    assert node.path(APT_KEYRING).is_file()
 
 
 def test_up_sets_the_node_up_and_a_second_run_changes_nothing(

@@ -34,7 +34,8 @@ def run(
 
 def test_install_reinstall_and_uninstall(tmp_path: Path) -> None:
     prefix, bindir, shells = tmp_path / "opt/gpunode", tmp_path / "bin", tmp_path / "shells"
-    shells.mkdir()
+    # An empty directory that was there before: --uninstall must leave it, empty or not.
+    (shells / "usr/share/fish").mkdir(parents=True)
     first = run("--prefix", str(prefix), "--bin-dir", str(bindir), completion_root=shells)
     assert first.returncode == 0, first.stderr + first.stdout
     assert "creating a virtualenv" in first.stdout
@@ -97,6 +98,18 @@ def test_install_reinstall_and_uninstall(tmp_path: Path) -> None:
     assert gone.returncode == 0, gone.stderr
     assert not link.exists() and not link.is_symlink() and not prefix.exists()
     assert not any(p.exists() for p in completions) and foreign.exists()
+    # The directories install.sh made for the scripts are gone once empty; the foreign script keeps bash's,
+    # and the directory that was there before stays.
+    left = sorted(str(p.relative_to(shells)) for p in shells.rglob("*"))
+    assert left == [
+        "usr",
+        "usr/share",
+        "usr/share/bash-completion",
+        "usr/share/bash-completion/completions",
+        "usr/share/bash-completion/completions/other",
+        "usr/share/fish",
+    ]
+    assert "removed the empty directory " + str(shells / "usr/local/share/zsh/site-functions") in gone.stdout
 
 
 def test_refuses_to_replace_a_foreign_command(tmp_path: Path) -> None:

@@ -46,6 +46,7 @@ import json
 import re
 import socket
 import ssl
+import struct
 import threading
 import time
 import uuid
@@ -86,8 +87,9 @@ QUANTITY_ERROR = f"quantities must match the regular expression '{QUANTITY.patte
 
 @dataclass(frozen=True)
 class Stream:
-    """A hostile answer: "trickle" (one byte per `interval`, in the `phase` "headers" or "body") or
-    "flood" (`announce` bytes declared, None for chunked; at most `cap` sent)."""
+    """A hostile answer: "trickle" (one byte per `interval`, in the `phase` "headers" or "body"),
+    "flood" (`announce` bytes declared, None for chunked; at most `cap` sent), "raw" (exactly `body`) or
+    "reset" (no answer: the connection reset)."""
 
     kind: str
     interval: float = 2.0
@@ -335,6 +337,12 @@ class ApiServer:
         extra = tuple((headers or {}).items())
         with self._lock:
             self._streams.extend([Stream("raw", body=body, code=code, headers=extra)] * count)
+
+    def reset_next(self, count: int = 1) -> None:
+        """Read each of the next `count` requests whole, then reset the connection (RST) unanswered: a
+        server cut off after the request was sent, as a restarting API server or load balancer does."""
+        with self._lock:
+            self._streams.extend([Stream("reset")] * count)
 
     def next_stream(self, method: str, raw_path: str, headers: Mapping[str, str]) -> Stream | None:
         """The hostile answer for this request, if one is pending (it is logged as a 200)."""
@@ -776,7 +784,12 @@ def _handler_for(server: ApiServer) -> type[BaseHTTPRequestHandler]:
             if stream is not None:
                 self.close_connection = True
                 try:
-                    if stream.kind == "trickle":
+                    if stream.kind == "reset":
+                        # SO_LINGER 0: close() sends a RST, not an orderly FIN.
+                        linger = struct.pack("ii", 1, 0)
+                        self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
+                        self.connection.close()
+                    elif stream.kind == "trickle":
                         self._trickle(stream)
                     elif stream.kind == "raw":
                         self._raw(stream)

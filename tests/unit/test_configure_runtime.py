@@ -534,8 +534,24 @@ def test_revert_is_byte_identical(tmp_path: Path) -> None:
     revert(host, "containerd")
     assert path.read_text() == original
     assert path.stat().st_mode & 0o777 == 0o640
-    assert not (tmp_path / "var/lib/gpunode/backups/etc/containerd/config.toml").exists()
+    # No empty directory is left behind where the backup was, backups/ included.
+    assert not (tmp_path / "var/lib/gpunode/backups").exists()
     assert records.load(host).files == {}
+
+
+def test_revert_keeps_the_backup_directories_still_in_use(tmp_path: Path) -> None:
+    # Another backup (here the plugin's unit, kept in the same tree) keeps the directories on its path, and
+    # no directory outside backups/ is touched, empty or not.
+    put(tmp_path, "/etc/containerd/config.toml", fixture("containerd/default-v2.toml"))
+    other = put(tmp_path, "/var/lib/gpunode/backups/etc/systemd/system/unit.service", "[Unit]\n")
+    (tmp_path / "var/lib/gpunode/empty-by-someone").mkdir()
+    host, _ = make_host(tmp_path)
+    configure(host, "containerd", set_as_default=True)
+    assert (tmp_path / "var/lib/gpunode/backups/etc/containerd/config.toml").exists()
+    revert(host, "containerd")
+    assert not (tmp_path / "var/lib/gpunode/backups/etc/containerd").exists()
+    assert other.read_text() == "[Unit]\n"
+    assert (tmp_path / "var/lib/gpunode/empty-by-someone").is_dir()
 
 
 def test_revert_after_user_edits_removes_only_what_gpunode_added(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import requests
+import urllib3.util.connection
 import yaml
 
 from gpunode.errors import ApiError, ConfigError, ExitCode, UsageError
@@ -580,18 +581,77 @@ def test_a_proxy_password_is_never_shown(api: ApiServer, pki: Pki) -> None:
         assert "proxy-password-7a7a" not in f"{exc} {exc.args!r}"
 
 
-def test_unreachable_server_names_the_url(pki: Pki) -> None:
+@pytest.fixture
+def connects(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
+    """Every TCP connection the client opens, by (host, port): attempts counted where they are made."""
+    made: list[tuple[str, int]] = []
+    real = urllib3.util.connection.create_connection
+
+    def counted(address: tuple[str, int], *args: Any, **kwargs: Any) -> socket.socket:
+        made.append(address)
+        return real(address, *args, **kwargs)
+
+    monkeypatch.setattr(urllib3.util.connection, "create_connection", counted)
+    return made
+
+
+def test_unreachable_server_names_the_url(pki: Pki, connects: list[tuple[str, int]]) -> None:
+    # Connection refused is final at once, as kubectl gives up: no second try, no wait.
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed when the block ends: nothing listens there
     credentials = Credentials(server=f"https://127.0.0.1:{port}", source="test", token=TOKEN)
-    with client(credentials) as kube:
+    waits: list[float] = []
+    with client(credentials, sleep=waits.append) as kube:
         error = failure(lambda: kube.get_node("n1"))
+        failure(lambda: kube.patch_node("n1", {"metadata": {"labels": {"a": "b"}}}))
     assert error.message == (
-        f"cannot reach the Kubernetes API at https://127.0.0.1:{port}/api/v1/nodes/n1: connection refused "
-        "(tried 3 times)"
+        f"cannot reach the Kubernetes API at https://127.0.0.1:{port}/api/v1/nodes/n1: connection refused"
     )
     assert error.fix is not None and f"https://127.0.0.1:{port} is its address" in error.fix
+    assert connects == [("127.0.0.1", port)] * 2 and waits == []
+
+
+def test_a_name_that_does_not_resolve_is_final_at_once(
+    monkeypatch: pytest.MonkeyPatch, connects: list[tuple[str, int]]
+) -> None:
+    # The resolver is stood in for, so the test needs no DNS server to fail (nor waits for one to time out).
+    def no_such_name(host: str, *args: Any, **kwargs: Any) -> Any:
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_such_name)
+    credentials = Credentials(server="https://api.cluster.invalid:6443", source="test", token=TOKEN)
+    waits: list[float] = []
+    with client(credentials, sleep=waits.append) as kube:
+        error = failure(lambda: kube.get_node("n1"))
+    assert error.message == (
+        "cannot reach the Kubernetes API at https://api.cluster.invalid:6443/api/v1/nodes/n1: "
+        "the host name does not resolve"
+    )
+    assert connects == [("api.cluster.invalid", 6443)] and waits == []
+
+
+def test_a_reset_after_the_request_is_retried_for_a_get_only(api: ApiServer, pki: Pki) -> None:
+    # A GET may be sent again; a PATCH the server may already have applied is not.
+    api.reset_next(count=2)
+    with client(creds(api, pki)) as kube:
+        assert kube.get_node("n1")["metadata"]["name"] == "n1"
+    assert [r.method for r in api.requests] == ["GET"] * 3
+
+    api.reset_next(count=1)
+    with client(creds(api, pki)) as kube:
+        error = failure(lambda: kube.patch_node("n1", {"metadata": {"labels": {"a": "b"}}}))
+    assert error.message.startswith(f"cannot reach the Kubernetes API at {api.url}/api/v1/nodes/n1: ")
+    assert "tried" not in error.message
+    assert [r.method for r in api.requests[3:]] == ["PATCH"]
+
+
+def test_resets_for_ever_give_up_after_the_attempts(api: ApiServer, pki: Pki) -> None:
+    api.reset_next(count=5)
+    with client(creds(api, pki)) as kube:
+        error = failure(lambda: kube.get_node("n1"))
+    assert error.message.endswith("(tried 3 times)")
+    assert len(api.requests) == 3
 
 
 def test_wrong_ca_is_a_verification_error(api: ApiServer, tmp_path: Path) -> None:
@@ -652,7 +712,7 @@ def _b64(path: Path) -> str:
     return base64.b64encode(path.read_bytes()).decode()
 
 
-def test_connect_timeout_is_retried_then_named(tmp_path: Path) -> None:
+def test_connect_timeout_is_named_and_not_retried(tmp_path: Path, connects: list[tuple[str, int]]) -> None:
     # A listener whose accept queue is full: the kernel drops further SYNs, so connecting times out.
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
@@ -673,8 +733,9 @@ def test_connect_timeout_is_retried_then_named(tmp_path: Path) -> None:
                 filler.close()
     assert error.message == (
         f"cannot reach the Kubernetes API at https://127.0.0.1:{port}/api/v1/nodes/n1: no connection within "
-        "0.2 s (tried 3 times)"
+        "0.2 s"
     )
+    assert connects == [("127.0.0.1", port)]
 
 
 def test_a_status_that_is_not_retried(api: ApiServer, pki: Pki) -> None:
