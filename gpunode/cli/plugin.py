@@ -48,7 +48,8 @@ def _switch(flag: str, env: str, text: str) -> Callable[[F], F]:
     epilog=exit_codes(
         "0    stopped by SIGTERM / SIGINT",
         "3    another gpunode plugin serves in the same socket directory",
-        "4    a bad config (file, environment, flag), or a node that does not fit it",
+        "2    a bad flag value or an unknown --simulate profile",
+        "4    a bad config (file, environment), or a node that does not fit it",
         "6    the --config file does not exist",
         "7    NVML cannot be used at start (with fail-on-init-error)",
     ),
@@ -308,6 +309,9 @@ def run(
         "events_kubeconfig": events_kubeconfig,
         "node_name": node_name,
     }
+    from gpunode.plugin.argv import check_flags
+
+    check_flags(flags)  # a bad flag value is a usage error, said before a file or NVML is read
     if show_config or as_json:
         _show_config(app_state.host, config, flags, as_json=as_json, show_config=show_config)
         return
