@@ -309,14 +309,14 @@ def run(
         "events_kubeconfig": events_kubeconfig,
         "node_name": node_name,
     }
-    from gpunode.plugin.argv import check_flags
-
-    check_flags(flags)  # a bad flag value is a usage error, said before a file or NVML is read
     if show_config or as_json:
         _show_config(app_state.host, config, flags, as_json=as_json, show_config=show_config)
         return
 
+    from gpunode.plugin.argv import check_flags
     from gpunode.plugin.runner import run_plugin
+
+    check_flags(flags)  # a bad flag value is a usage error, said before a file or NVML is read
 
     run_plugin(
         app_state.host,
@@ -604,6 +604,9 @@ def _show_config(
         jsonout.request("plugin-run")
     if not show_config:
         raise UsageError("plugin run: --json goes with --show-config", "add --show-config")
+    from gpunode.plugin.argv import check_flags
+
+    check_flags(flags)  # a usage error (in the JSON document too), before the config file is read
     resolved = load_config(host, config_path=config, env=os.environ, flags=flags)
     if not as_json:
         click.echo(to_toml(resolved), nl=False)
