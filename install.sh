@@ -233,6 +233,16 @@ if [ "$DEV" -eq 1 ]; then
 else
     say "installing gpunode from $SRC_DIR"
     pip_install --upgrade "$SRC_DIR"
+    # The build `gpunode --version` names: $GPUNODE_BUILD, else the checkout's commit (git is asked here,
+    # once, never when gpunode starts); -I: the installed gpunode, not the one in the current directory.
+    build="${GPUNODE_BUILD:-}"
+    if [ -z "$build" ] && [ -e "$SRC_DIR/.git" ] && command -v git >/dev/null; then
+        build="$(git -C "$SRC_DIR" describe --always --dirty --abbrev=12 2>/dev/null || true)"
+    fi
+    if [ -n "$build" ]; then
+        "$PREFIX/bin/python" -I -m gpunode.buildinfo stamp "$build" >/dev/null \
+            || die "could not write gpunode's build stamp" "check that $PREFIX is writable, then run ./install.sh again"
+    fi
 fi
 
 if [ "$LINK" -eq 1 ]; then

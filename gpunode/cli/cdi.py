@@ -30,6 +30,22 @@ def app() -> None:
     pass
 
 
+def _check_kind(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    # In the option's callback: a bad value is a usage error said before NVML or a file is looked at.
+    from gpunode.cdi.spec import kind_problem
+
+    problem = kind_problem(value)
+    if problem:
+        raise click.BadParameter(problem if "e.g." in problem else f"{problem} (e.g. nvidia.com/gpu)")
+    return value
+
+
+def _check_absolute(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    if value is not None and not value.startswith("/"):
+        raise click.BadParameter(f"{value!r} is not an absolute path")
+    return value
+
+
 def _spec_options(func: F) -> F:
     for option in reversed(
         (
@@ -38,6 +54,7 @@ def _spec_options(func: F) -> F:
                 default="nvidia.com/gpu",
                 show_default=True,
                 metavar="VENDOR/CLASS",
+                callback=_check_kind,
                 help="The CDI kind: devices are named VENDOR/CLASS=<name>.",
             ),
             click.option(
@@ -45,14 +62,19 @@ def _spec_options(func: F) -> F:
                 default="/",
                 show_default=True,
                 metavar="DIR",
+                callback=_check_absolute,
                 help="Where the driver's files are (a driver container: /run/nvidia/driver).",
             ),
             click.option(
-                "--dev-root", metavar="DIR", help="Where the driver's /dev is. Default: the driver root."
+                "--dev-root",
+                metavar="DIR",
+                callback=_check_absolute,
+                help="Where the driver's /dev is. Default: the driver root.",
             ),
             click.option(
                 "--output",
                 metavar="PATH",
+                callback=_check_absolute,
                 help="The spec file (.yaml or .json). Default: /var/run/cdi/gpunode-<vendor>-<class>.yaml.",
             ),
         )

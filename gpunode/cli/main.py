@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from gpunode import __version__
 from gpunode.cli.common import Group, exit_codes
 from gpunode.cli.state import COMPLETE_VAR, AppState, overrides
 from gpunode.errors import ExitCode, GpunodeError
@@ -72,6 +71,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "gpunode.cli.completion",
         "completion",
         "Print the shell completion script for bash, zsh or fish.",
+    ),
+    "version": (
+        "gpunode.cli.version",
+        "version",
+        "Print gpunode's version and commit, and the versions of Python, pynvml and grpcio.",
     ),
 }
 
@@ -136,13 +140,29 @@ class LazyGroup(Group):
     "machine's GPUs.",
 )
 @click.option("--no-color", is_flag=True, help="No colour in terminal output (also NO_COLOR=1).")
-@click.version_option(__version__, "--version", prog_name="gpunode", message="%(prog)s %(version)s")
+@click.option(
+    "--version",
+    is_flag=True,
+    expose_value=False,
+    is_eager=True,
+    callback=lambda ctx, param, value: _print_version(ctx) if value else None,
+    help="Show the version and the commit (or build) it was made from, and exit.",
+)
 @click.pass_context
 def cli(ctx: click.Context, debug: bool, root: Path, no_color: bool) -> None:
     from gpunode.host import Host
 
     color = not no_color and not os.environ.get("NO_COLOR")  # no-color.org: set and not empty
     ctx.obj = AppState(host=overrides.get("host") or Host(root=root), debug=debug, color=color)
+
+
+def _print_version(ctx: click.Context) -> None:
+    # Only here (and in `gpunode version`) is git asked for the commit: never on an ordinary start.
+    from gpunode.buildinfo import build
+    from gpunode.host import Host
+
+    click.echo(build(overrides.get("host") or Host()).line())
+    ctx.exit(0)
 
 
 def _help_width() -> int:

@@ -60,7 +60,8 @@ def _switch(flag: str, env: str, text: str) -> Callable[[F], F]:
     epilog=exit_codes(
         "0    stopped by SIGTERM / SIGINT",
         "3    another gpunode plugin serves in the same socket directory",
-        "4    a bad config (file, environment, flag), or a node that does not fit it",
+        "2    a bad flag value or an unknown --simulate profile",
+        "4    a bad config (file, environment), or a node that does not fit it",
         "6    the --config file does not exist",
         "7    NVML cannot be used at start (with fail-on-init-error)",
     ),
@@ -332,7 +333,10 @@ def run(
         _show_config(app_state.host, config, flags, as_json=as_json, show_config=show_config)
         return
 
+    from gpunode.plugin.argv import check_flags
     from gpunode.plugin.runner import run_plugin
+
+    check_flags(flags)  # a bad flag value is a usage error, said before a file or NVML is read
 
     run_plugin(
         app_state.host,
@@ -620,6 +624,9 @@ def _show_config(
         jsonout.request("plugin-run")
     if not show_config:
         raise UsageError("plugin run: --json goes with --show-config", "add --show-config")
+    from gpunode.plugin.argv import check_flags
+
+    check_flags(flags)  # a usage error (in the JSON document too), before the config file is read
     resolved = load_config(host, config_path=config, env=os.environ, flags=flags)
     if not as_json:
         click.echo(to_toml(resolved), nl=False)

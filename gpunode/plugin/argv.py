@@ -18,7 +18,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Mapping, Sequence
 
 # `plugin run`'s own options that are not settings of the option table (PluginConfig).
 _OWN = {"--config": "config", "--simulate": "simulate", "--status-file": "status_file"}
@@ -77,6 +77,46 @@ def parse(args: Sequence[str]) -> RunArgs | None:
     return parsed
 
 
+# A fix for the option checks that say what is wrong but not what to give instead (their messages serve the
+# config file and the environment too, where the key is named differently), by the check's name.
+_FIXES = {
+    "_absolute_path": "give an absolute path (one starting with /)",
+    "_replicas": "give a whole number from 1 to 1024",
+    "_listen_address": 'give HOST:PORT with a port from 1 to 65535, e.g. "127.0.0.1:9402"',
+    "_seconds": "give a number of seconds, 0 or more",
+    "_xids": "give Xid numbers separated by commas, e.g. 13,31",
+    "_cdi_kind": "give a CDI kind such as nvidia.com/gpu",
+    "_annotation_prefix": "give a prefix such as cdi.k8s.io/",
+}
+
+
+def check_flags(flags: Mapping[str, Any]) -> None:
+    """Refuse a bad flag value as a usage error (exit 2), before anything else is tried, in the form click
+    gives its own (gpunode/cli/main.py): "plugin run: Invalid value for '--replicas': ..." and a fix.
+
+    The same checks as the config file and the environment, whose bad values stay config errors (exit 4);
+    load_config checks the flags again and then finds them good. Both ways in call this: the fast parser
+    above and the click command, so that both answer alike.
+    """
+    from gpunode.errors import ConfigError, UsageError
+    from gpunode.plugin.config import BY_NAME
+
+    for name, value in flags.items():
+        if value is None:
+            continue
+        option = BY_NAME[name]
+        try:
+            option.parse(value, option.flag)
+        except ConfigError as err:
+            # The check begins its message with the `where` it was given: the flag, named once below.
+            detail = err.message.removeprefix(option.flag).removeprefix(": ")
+            fix = err.fix or _FIXES.get(getattr(option.parse, "__name__", ""))
+            raise UsageError(
+                f"plugin run: Invalid value for '{option.flag}': {detail}",
+                f"{fix} (see `gpunode plugin run --help`)" if fix else "see `gpunode plugin run --help`",
+            ) from None
+
+
 def run(args: Sequence[str]) -> None:
     """Run the plugin for `gpunode plugin run ARGS` and exit, or return if the click CLI must take them."""
     import gc
@@ -93,6 +133,7 @@ def run(args: Sequence[str]) -> None:
 
     debug = os.environ.get("GPUNODE_DEBUG") == "1"
     try:
+        check_flags(parsed.flags)
         from gpunode.host import Host
         from gpunode.plugin.runner import run_plugin
 

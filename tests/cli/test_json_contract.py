@@ -257,7 +257,7 @@ def test_plugin_run_show_config(
     }
     assert settings["health.ignored-xids"]["value"] == [13, 31, 43, 45, 68, 109]
     code, failed = run_json("plugin-run", [*argv[:4], "--mig-strategy", "all"], host, capsys)
-    assert code == ExitCode.CONFIG and "--mig-strategy" in failed["error"]["message"]
+    assert code == ExitCode.USAGE and "--mig-strategy" in failed["error"]["message"]  # a flag: usage
 
 
 def test_plugin_install_status_uninstall(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

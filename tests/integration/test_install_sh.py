@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from gpunode import __version__
+
 REPO = Path(__file__).resolve().parents[2]
 INSTALL = REPO / "install.sh"
 
@@ -60,7 +62,12 @@ def test_install_reinstall_and_uninstall(tmp_path: Path) -> None:
     assert bash.stdout == "containerd crio\n"
 
     version = subprocess.run([str(link), "--version"], capture_output=True, text=True, check=True, timeout=60)
-    assert version.stdout.startswith("gpunode ")
+    # The commit install.sh installed from, stamped into the package (not git at every start).
+    commit = subprocess.run(
+        ["git", "-C", str(REPO), "describe", "--always", "--dirty", "--abbrev=12"],
+        capture_output=True, text=True, check=True, timeout=60,
+    ).stdout.strip()  # fmt: skip
+    assert version.stdout == f"gpunode {__version__} (build {commit})\n"
     doctor = subprocess.run(
         [str(link), "doctor", "--json"], capture_output=True, text=True, timeout=120, check=False
     )
