@@ -80,7 +80,6 @@ def parse(args: Sequence[str]) -> RunArgs | None:
 # A fix for the option checks that say what is wrong but not what to give instead (their messages serve the
 # config file and the environment too, where the key is named differently), by the check's name.
 _FIXES = {
-    "_absolute_path": "give an absolute path (one starting with /)",
     "_replicas": "give a whole number from 1 to 1024",
     "_listen_address": 'give HOST:PORT with a port from 1 to 65535, e.g. "127.0.0.1:9402"',
     "_seconds": "give a number of seconds, 0 or more",

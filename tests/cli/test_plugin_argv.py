@@ -163,7 +163,7 @@ def test_what_it_does_not_take_still_works() -> None:
         (["--mig-strategy", "bogus"], "Invalid value for '--mig-strategy': 'bogus' is not one of: none, "
          "single, mixed", "use one of: none, single, mixed"),
         (["--socket-dir", "rel"], "Invalid value for '--socket-dir': 'rel' is not an absolute path",
-         "give an absolute path"),
+         "give a path that starts with /"),
         # Said before anything is read: not "the --config file does not exist" (6).
         (["--config", "/nonexistent/plugin.toml", "--replicas=2000"],
          "Invalid value for '--replicas': 2000 replicas per GPU is more than 1024", "use at most 1024"),
