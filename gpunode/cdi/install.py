@@ -59,8 +59,8 @@ class InstallPlan:
     files: tuple[FileChange, ...]
     commands: tuple[tuple[str, ...], ...]
     notes: tuple[str, ...] = field(default=())
-    # Under --root (Host.offline): the units enabled by their links, and what is left to run on the system
-    # in the root (nothing runs on this machine). See gpunode.systemd.enable.
+    # Under --root (Host.offline) or with no systemd running: the units enabled by their links; under
+    # --root, what is left to run on the system in the root (nothing runs here). See gpunode.systemd.enable.
     links: tuple[enable.Link, ...] = field(default=())
     next_steps: tuple[tuple[str, ...], ...] = field(default=())
 
@@ -150,28 +150,32 @@ def plan_install(
             )
         elif envvar_setting(old) is not False:
             files.append(FileChange(TOOLKIT_CONFIG, _with_envvar_off(old), old))
-    commands: list[tuple[str, ...]] = []
-    if host.offline:
+    if host.offline or not host.is_dir("/run/systemd/system"):
+        # Nothing to ask a systemd: under --root this machine's is not the root's, and with none running
+        # (an image being built) there is nothing to reload or start. Enabling is the links `systemctl
+        # enable` would make, made here; never `systemctl --root=`, which is still this machine's program.
         links = [
             *enable.enable_links(host, SERVICE, files[0].content),
             *enable.enable_links(host, PATH_UNIT, files[1].content),
         ]
-        steps = (
-            ("systemctl", "daemon-reload"),
-            ("systemctl", "start", PATH_UNIT),
-            ("systemctl", "start", SERVICE),
-        )
+        if host.offline:
+            steps: tuple[tuple[str, ...], ...] = (
+                ("systemctl", "daemon-reload"),
+                ("systemctl", "start", PATH_UNIT),
+                ("systemctl", "start", SERVICE),
+            )
+        else:
+            notes.append(
+                "systemd is not running here: the units are enabled by their links, run at the next boot"
+            )
+            steps = ()
         return InstallPlan(tuple(files), (), tuple(notes), tuple(links), steps)
-    if host.is_dir("/run/systemd/system"):
-        commands = [
-            ("systemctl", "daemon-reload"),
-            ("systemctl", "enable", SERVICE, PATH_UNIT),
-            ("systemctl", "start", PATH_UNIT),
-            ("systemctl", "start", SERVICE),
-        ]
-    else:
-        notes.append("systemd is not running here: the units are written and enabled at the next boot")
-        commands = [("systemctl", f"--root={host.root}", "enable", SERVICE, PATH_UNIT)]
+    commands = [
+        ("systemctl", "daemon-reload"),
+        ("systemctl", "enable", SERVICE, PATH_UNIT),
+        ("systemctl", "start", PATH_UNIT),
+        ("systemctl", "start", SERVICE),
+    ]
     return InstallPlan(tuple(files), tuple(commands), tuple(notes))
 
 
@@ -259,18 +263,17 @@ def plan_uninstall(host: Host, options: GenerateOptions) -> UninstallPlan:
                 f"(the original is in {backup})"
             )
     commands: list[tuple[str, ...]] = []
-    if host.offline:
+    if host.offline or not host.is_dir("/run/systemd/system"):
+        # As in plan_install: the links removed here, never through `systemctl --root=`.
         gone = [unit.rsplit("/", 1)[1] for unit in units if unit in remove]
         links = tuple(link for unit in gone for link in enable.disable_links(host, unit))
-        steps = (("systemctl", "stop", *gone), ("systemctl", "daemon-reload")) if gone else ()
+        offline = host.offline and gone
+        steps = (("systemctl", "stop", *gone), ("systemctl", "daemon-reload")) if offline else ()
         return UninstallPlan(
             tuple(remove), tuple(restore), (), tuple(notes), links, steps, restored_from=tuple(restored_from)
         )
     if any(u in remove for u in units):
-        if host.is_dir("/run/systemd/system"):
-            commands = [("systemctl", "disable", "--now", PATH_UNIT, SERVICE), ("systemctl", "daemon-reload")]
-        else:
-            commands = [("systemctl", f"--root={host.root}", "disable", PATH_UNIT, SERVICE)]
+        commands = [("systemctl", "disable", "--now", PATH_UNIT, SERVICE), ("systemctl", "daemon-reload")]
     return UninstallPlan(
         tuple(remove), tuple(restore), tuple(commands), tuple(notes), restored_from=tuple(restored_from)
     )

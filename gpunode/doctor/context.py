@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from gpunode import paths
-from gpunode.errors import CommandFailed, NvmlError
+from gpunode.errors import NvmlError
 from gpunode.host import Host
 from gpunode.nvml.model import Inventory
 from gpunode.services import service_states
@@ -74,15 +74,26 @@ _VERSION = re.compile(r"version\s+v?(\d+\.\d+\.\d+\S*)", re.IGNORECASE)
 
 def program_version(host: Host, program: str) -> tuple[str | None, str | None]:
     """(host path, version) of a program; (None, None) when it is not installed."""
+    path, version, _ = program_probe(host, program)
+    return path, version
+
+
+def program_probe(host: Host, program: str) -> tuple[str | None, str | None, str]:
+    """(host path, version, where the version was asked) of a program; the path None when not installed.
+
+    The rule of gpunode.runtimes.probe: the binary asked is the one found under the Host's root, run by
+    its path there. Under --root R that is R's own binary (R/usr/bin/nvidia-ctk), never this machine's
+    program of the same name or host path, which may be another release or absent."""
+    from gpunode.runtimes import probe
+
     path = host.which(program)
     if path is None:
-        return None, None
-    try:
-        result = host.run([path, "--version"], timeout=VERSION_TIMEOUT)
-    except CommandFailed:
-        return path, None
+        return None, None, f"no {program} in {host.root}"
+    result, where = probe.run(host, path, ["--version"], timeout=VERSION_TIMEOUT)
+    if result is None:
+        return path, None, where
     match = _VERSION.search(result.stdout + "\n" + result.stderr)
-    return path, match.group(1) if match else None
+    return path, match.group(1) if match else None, where
 
 
 def _embedded_containerd(host: Host) -> str | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from gpunode.doctor.context import RUNTIMES, Context, program_version
+from gpunode.doctor.context import RUNTIMES, Context, program_probe
 from gpunode.doctor.model import Finding, Status
 from gpunode.errors import GpunodeError
 from gpunode.host import Host
@@ -14,8 +14,8 @@ from gpunode.runtimes.model import RuntimeConfigState
 
 
 def check_toolkit(ctx: Context) -> Iterable[Finding]:
-    found = {prog: program_version(ctx.host, prog) for prog in ("nvidia-ctk", "nvidia-container-runtime")}
-    missing = [prog for prog, (path, _) in found.items() if path is None]
+    found = {prog: program_probe(ctx.host, prog) for prog in ("nvidia-ctk", "nvidia-container-runtime")}
+    missing = [prog for prog, (path, _, _) in found.items() if path is None]
     if missing:
         yield Finding(
             "toolkit",
@@ -26,8 +26,22 @@ def check_toolkit(ctx: Context) -> Iterable[Finding]:
             "to see every file and command first)",
         )
         return
-    versions = ", ".join(f"{prog} {ver or 'version unknown'}" for prog, (_, ver) in found.items())
-    yield Finding("toolkit", Status.OK, f"nvidia-container-toolkit installed: {versions}")
+    versions = ", ".join(f"{prog} {ver or 'version unknown'}" for prog, (_, ver, _) in found.items())
+    yield Finding(
+        "toolkit",
+        Status.OK,
+        f"nvidia-container-toolkit installed: {versions}",
+        detail=_probed(ctx.host, found),
+    )
+
+
+def _probed(host: Host, found: dict[str, tuple[str | None, str | None, str]]) -> str | None:
+    """Under --root, where each version was asked: R's own programs, never this machine's."""
+    if host.is_real_root:
+        return None
+    return "versions asked of the programs in the root, never this machine's: " + "; ".join(
+        f"{where}" + ("" if version else " (no version answered)") for _, version, where in found.values()
+    )
 
 
 # -- container runtimes -------------------------------------------------------------------------
@@ -37,7 +51,8 @@ def read_runtime_state(host: Host, runtime: str) -> RuntimeConfigState:
     if runtime == "docker":
         from gpunode.runtimes import docker
 
-        return docker.read_state(host)
+        state = docker.read_state(host)
+        return state if host.is_real_root else _docker_probed_in_root(host, state)
     if runtime == "containerd":
         from gpunode.runtimes import containerd
 
@@ -49,6 +64,29 @@ def read_runtime_state(host: Host, runtime: str) -> RuntimeConfigState:
     # Where the crio program is here, CRI-O's own view decides (`crio status config` of the running CRI-O,
     # else `crio config`): drop-in layouts, built-in defaults and handlers CRI-O ignored are its to judge.
     return crio.read_state(host, effective=True)
+
+
+def _docker_probed_in_root(host: Host, state: RuntimeConfigState) -> RuntimeConfigState:
+    """Under --root, say which dockerd judged the file, where its version decides (a BOM, shim keys next to
+    a path): R's own, by its path in R (gpunode.runtimes.probe), never this machine's. One that gives no
+    version (a binary for another architecture) leaves it unknown, and unknown counts as refused, as
+    configure-runtime judges it; with no dockerd in R docker is not installed there (runtime.docker is
+    skipped), and configure-runtime judges as the newest dockerd it knows."""
+    from dataclasses import replace
+
+    from gpunode.runtimes import docker, probe
+
+    text = host.read_text_if_exists(state.config_path) or ""
+    runtimes = docker.configured_runtimes(
+        docker.parse_daemon_json(text, state.config_path), state.config_path
+    )
+    if not (docker.split_bom(text)[0] or docker.path_and_shim(runtimes)):
+        return state  # no version asked: nothing depends on it
+    version = docker.installed_dockerd_version(host)
+    where = probe.locate(host, "dockerd").where
+    said = f"{version[0]}.{version[1]}" if version else "no version (unknown: judged as refusing)"
+    note = f"dockerd's version asked of {where} (under --root, never this machine's dockerd): {said}"
+    return replace(state, notes=(*state.notes, note))
 
 
 def check_runtimes(ctx: Context) -> Iterable[Finding]:
@@ -83,7 +121,9 @@ def check_runtimes(ctx: Context) -> Iterable[Finding]:
         if name == kubelet_uses and (name, unit) not in installed:
             continue
         if (name, unit) not in installed:
-            yield Finding(f"runtime.{name}", Status.SKIP, f"{name} is not installed")
+            # Under --root, looked for in the root only: this machine's programs do not read its files.
+            where = "" if host.is_real_root else f" (no {_binary} in {host.root})"
+            yield Finding(f"runtime.{name}", Status.SKIP, f"{name} is not installed{where}")
             continue
         essential = name == kubelet_uses or len(installed) == 1
         yield _runtime_finding(ctx, name, unit, essential, name == kubelet_uses)

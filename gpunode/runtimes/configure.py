@@ -311,14 +311,21 @@ class Outcome:
         return bool(self.written or self.removed)
 
 
+def _owes_restart(plan: RuntimePlan, pending_before: set[str]) -> bool:
+    """Whether the plan's change (or an earlier one not yet restarted for) is one a service must read.
+
+    A revert of files no service reads (a scratch --config, a k3s drop-in once k3s is gone) owes none,
+    even to an explicit --restart: plan.unit is then only the runtime installed now (containerd.service
+    beside a removed k3s), which never read them, and restarting it stops its containers for nothing."""
+    if plan.revert and not plan.standard_location:
+        return False
+    return bool(plan.pending or plan.runtime in pending_before)
+
+
 def will_restart(host: Host, plan: RuntimePlan, restart: bool) -> bool:
     """Whether apply() restarts the runtime: it changes files, or it changed them before and the runtime
     has not been restarted since (the record knows). Never under --root: see restart_elsewhere()."""
-    return (
-        restart
-        and host.commands_reach_root
-        and bool(plan.pending or plan.runtime in records.load(host).restart_pending)
-    )
+    return restart and host.commands_reach_root and _owes_restart(plan, records.load(host).restart_pending)
 
 
 def restart_elsewhere(host: Host, plan: RuntimePlan) -> str | None:
@@ -327,7 +334,7 @@ def restart_elsewhere(host: Host, plan: RuntimePlan) -> str | None:
     Under --root R, `systemctl restart` here would restart THIS machine's runtime, which does not read R's
     files: nothing that acts runs here, the restart is the operator's to run where R is the live root.
     """
-    if host.commands_reach_root or not (plan.pending or plan.runtime in records.load(host).restart_pending):
+    if host.commands_reach_root or not _owes_restart(plan, records.load(host).restart_pending):
         return None
     unit = plan.unit or f"{plan.runtime}.service"
     return (
@@ -408,9 +415,7 @@ def apply(
     pending = plan.pending
     # --restart restarts a runtime gpunode changed and never restarted, even with nothing left to write.
     # Under --root the runtime that reads these files is not this machine's: never restarted from here.
-    do_restart = (
-        restart and host.commands_reach_root and bool(pending or plan.runtime in old_records.restart_pending)
-    )
+    do_restart = restart and host.commands_reach_root and _owes_restart(plan, old_records.restart_pending)
     if plan.revert and not new_records.for_runtime(plan.runtime):
         # Nothing of gpunode's is left for the runtime to read; without a restart now, the operator is told
         # to restart it, as after any change gpunode does not restart for.

@@ -354,7 +354,27 @@ def _runtimes_still_using_it(host: Host) -> list[str]:
 # -- apply -----------------------------------------------------------------------------------------
 
 
+def refuse_under_root(host: Host, plan: ToolkitPlan, what: str) -> None:
+    """Under --root DIR nothing that acts runs on this machine, and a package manager is nothing else:
+    this machine's apt-get, dnf or zypper installs into this machine (its dpkg or rpm database, its /usr),
+    never into DIR. Writing only the repository files into DIR would record a toolkit that is not there,
+    so nothing is written: the packages are installed from inside DIR, where its own package manager runs.
+    (Reading DIR's dpkg status file for `toolkit status` and the plan is reading files, not acting.)"""
+    if not host.offline or plan.changes_nothing:
+        return
+    inside = f"sudo chroot {host.root} gpunode toolkit {what}"
+    raise UsageError(
+        f"toolkit {what} under --root {host.root}: gpunode runs no package manager on this machine "
+        f"({plan.manager.name} here would {what} packages on this machine, not in {host.root}); nothing was "
+        "changed",
+        f"run it inside {host.root}, with its own {plan.manager.name}: `{inside}` (or `systemd-nspawn -D "
+        f"{host.root} gpunode toolkit {what}`; gpunode must be installed there), or once {host.root} is the "
+        "running system",
+    )
+
+
 def apply_install(host: Host, plan: ToolkitPlan, progress: Progress | None = None) -> Outcome:
+    refuse_under_root(host, plan, "install")
     if plan.key_download is not None:  # a caller's mistake, never the operator's: a key must be checked
         raise ValueError(f"a plan without its key ({plan.key_download}) is for showing, not for applying")
     progress = progress or Progress()
@@ -455,6 +475,7 @@ def _roll_back(host: Host, written: list[PlannedFile]) -> list[str]:
 
 
 def apply_uninstall(host: Host, plan: ToolkitPlan, progress: Progress | None = None) -> Outcome:
+    refuse_under_root(host, plan, "uninstall")
     progress = progress or Progress()
     outcome = Outcome()
     total = len(plan.commands) + (1 if plan.remove or plan.restore else 0)

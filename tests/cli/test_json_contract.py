@@ -5,6 +5,7 @@ on failure (issue 15)."""
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -339,18 +340,24 @@ def test_cdi_install_and_uninstall(
     fake_nvml(profile="dgx-a100")
     host = cdi_node(tmp_path)
     assert isinstance(host.runner, ScriptedRunner)
-    host.runner.answer(["systemctl"])  # `systemctl --root=... enable|disable` (no systemd running there)
+    # No systemd running under this root: nothing is asked of any systemctl (no answer is scripted, so a
+    # call would fail); the units are enabled and disabled by their links.
     code, plan = run_json("cdi-install", ["cdi", "install", "--dry-run", "--json"], host, capsys)
     assert code == 0 and plan["dry_run"] and not plan["changed"]
     assert {f["action"] for f in plan["files"]} == {"write"}
     assert not (tmp_path / "etc/systemd/system/gpunode-cdi.service").exists()
     code, done = run_json("cdi-install", ["cdi", "install", "--json"], host, capsys)
     assert code == 0 and done["changed"] and (tmp_path / "etc/systemd/system/gpunode-cdi.path").exists()
+    wants = tmp_path / "etc/systemd/system/multi-user.target.wants"
+    assert os.readlink(wants / "gpunode-cdi.path") == "/etc/systemd/system/gpunode-cdi.path"
+    assert done["commands"] == [] and done["next_steps"] == []
     code, again = run_json("cdi-install", ["cdi", "install", "--json"], host, capsys)
     assert code == 0 and not again["changed"]
     code, plan = run_json("cdi-uninstall", ["cdi", "uninstall", "--dry-run", "--json"], host, capsys)
     assert code == 0 and not plan["changed"] and "/etc/systemd/system/gpunode-cdi.path" in plan["remove"]
     code, gone = run_json("cdi-uninstall", ["cdi", "uninstall", "--json"], host, capsys)
     assert code == 0 and gone["changed"] and not (tmp_path / "etc/systemd/system/gpunode-cdi.path").exists()
+    assert not (wants / "gpunode-cdi.path").is_symlink() and not (wants / "gpunode-cdi.service").is_symlink()
     code, again = run_json("cdi-uninstall", ["cdi", "uninstall", "--json"], host, capsys)
     assert code == 0 and not again["changed"] and again["remove"] == []
+    assert not [argv for argv in host.runner.calls if argv[0] == "systemctl"], host.runner.calls

@@ -366,7 +366,12 @@ def test_install_units_run_generate_at_boot_and_when_the_linker_cache_changes(tm
     )
     assert "Type=oneshot" in service and "Before=containerd.service" in service
     assert "PathChanged=/run/nvidia/driver/etc/ld.so.cache\nUnit=gpunode-cdi.service\n" in path_unit
-    # No systemd running under this root: the units are enabled offline, for the next boot.
-    assert plan.commands == (
-        ("systemctl", f"--root={tmp_path}", "enable", "gpunode-cdi.service", "gpunode-cdi.path"),
-    )
+    # No systemd running under this root: the units are enabled by their links, for the next boot; no
+    # systemctl is asked (`systemctl --root=` would be this machine's program, its version and presets).
+    assert plan.commands == () and plan.next_steps == ()
+    units_dir = "/etc/systemd/system"
+    assert [(link.path, link.target, link.action) for link in plan.links] == [
+        (f"{units_dir}/multi-user.target.wants/{name}", f"{units_dir}/{name}", "create")
+        for name in ("gpunode-cdi.service", "gpunode-cdi.path")
+    ]
+    assert any("systemd is not running here" in note for note in plan.notes)

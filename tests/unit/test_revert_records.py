@@ -251,6 +251,40 @@ def test_a_k3s_drop_in_restarts_k3s_and_nothing_once_k3s_is_gone(tmp_path: Path)
     assert any("k3s, which is no longer installed" in m for m in undo.messages)
 
 
+@pytest.mark.parametrize("as_json", [False, True])
+def test_an_explicit_revert_restart_for_a_k3s_drop_in_after_k3s_is_gone_restarts_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], as_json: bool
+) -> None:
+    host = k3s_dropin_node(tmp_path)
+    put(tmp_path, "/etc/systemd/system/k3s-agent.service", "[Service]\nExecStart=/usr/local/bin/k3s agent\n")
+    put(tmp_path, "/etc/containerd/config.toml", "version = 2\n")  # containerd.service stays installed
+    put(tmp_path, "/etc/systemd/system/containerd.service", "[Service]\nExecStart=/usr/bin/containerd\n")
+    configure(host, "containerd")
+    assert records.load(host).restart_pending == {"containerd"}  # k3s had not been restarted
+    shutil.rmtree(tmp_path / "var/lib/rancher")  # k3s-agent-uninstall.sh
+    (tmp_path / "etc/systemd/system/k3s-agent.service").unlink()
+    runner = host.runner
+    assert isinstance(runner, ScriptedRunner)
+    runner.answer(["systemctl"])
+    runner.calls.clear()
+
+    undo = plan_revert(host, "containerd", ConfigureOptions())
+    # containerd.service is installed now, but it never read k3s's drop-in: no restart, even asked for.
+    assert not will_restart(host, undo, True)
+    argv = ["configure-runtime", "containerd", "--revert", "--restart", "--yes"]
+    code = main(argv + (["--json"] if as_json else []), host=host)
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert not [c for c in runner.calls if c[0] == "systemctl"], runner.calls
+    assert records.load(host).files == {} and not records.load(host).restart_pending
+    if as_json:
+        doc = json.loads(out)
+        assert doc["commands"] == [] and doc["restarted"] is None and doc["restart"] is None
+        out = " ".join(doc["messages"])
+    assert "k3s, which is no longer installed" in out and "nothing to restart" in out
+    assert "containerd.service" not in out
+
+
 def test_a_containerd_drop_in_it_imports_restarts_containerd(tmp_path: Path) -> None:
     put(tmp_path, "/etc/containerd/config.toml", "version = 2\n")
     host = Host(root=tmp_path, runner=ScriptedRunner())
