@@ -8,6 +8,7 @@ escape sequences): a dumb terminal shows it as well.
 
 from __future__ import annotations
 
+import os
 import sys
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TextIO
@@ -22,13 +23,20 @@ def describe(waiting: Waiting) -> str:
     return f"waiting for {waiting.what} ({waiting.elapsed:.0f} s of at most {waiting.timeout:.0f} s)"
 
 
+def _time_first(waiting: Waiting) -> str:
+    return f"waiting ({waiting.elapsed:.0f} s of at most {waiting.timeout:.0f} s) for {waiting.what}"
+
+
 class WaitLine:
     """A progress callback (`service.apply_install(progress=...)`) that renders each report, and
     remembers the last one for the result (`waited_for`, `waited_s`)."""
 
-    def __init__(self, stream: TextIO | None = None, *, live: bool | None = None) -> None:
+    def __init__(
+        self, stream: TextIO | None = None, *, live: bool | None = None, width: int | None = None
+    ) -> None:
         self.stream = stream if stream is not None else sys.stderr
         self.live = _isatty(self.stream) if live is None else live
+        self.width = width
         self.last: Waiting | None = None
         self._drawn = 0  # characters of the live line on screen
         self._next_plain = PLAIN_EVERY
@@ -39,7 +47,11 @@ class WaitLine:
         if self.live and waiting.done:
             self.close()  # what follows (the result, an error) starts on a clean line
         elif self.live:
-            # Padded over the previous text, which may have been longer.
+            # Kept within the terminal's width: a line that wraps cannot be redrawn by a carriage return
+            # (each redraw would add a row). Padded over the previous text, which may have been longer.
+            columns = max(1, self._columns() - 1)
+            if len(text) > columns:  # the time first, so that what is cut is the end of the unit's name
+                text = _time_first(waiting)[:columns]
             self._write("\r" + text.ljust(self._drawn))
             self._drawn = len(text)
         elif waiting.elapsed >= self._next_plain and not waiting.done:
@@ -65,6 +77,14 @@ class WaitLine:
         self, kind: type[BaseException] | None, value: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+    def _columns(self) -> int:
+        if self.width is not None:
+            return self.width
+        try:
+            return os.get_terminal_size(self.stream.fileno()).columns  # asked each time: it may be resized
+        except (OSError, ValueError, AttributeError):
+            return 80
 
     def _write(self, text: str) -> None:
         try:

@@ -211,7 +211,7 @@ def test_a_timeout_error_document_says_how_long_it_waited(
 
 def test_on_a_terminal_one_live_line_is_redrawn_and_cleared_at_the_end() -> None:
     stream = io.StringIO()
-    line = WaitLine(stream, live=True)
+    line = WaitLine(stream, live=True, width=200)
     what = "gpunode-device-plugin.service to register with kubelet"
     line(service.Waiting(what, 12.0, 120.0))
     first = f"{WAITING} (12 s of at most 120 s)"
@@ -230,7 +230,43 @@ def test_on_a_terminal_one_live_line_is_redrawn_and_cleared_at_the_end() -> None
 
 def test_a_live_line_left_by_an_interrupt_is_cleared_on_close() -> None:
     stream = io.StringIO()
-    with WaitLine(stream, live=True) as line:
+    with WaitLine(stream, live=True, width=200) as line:
         line(service.Waiting("x", 1.0, 120.0))
     text = "waiting for x (1 s of at most 120 s)"
     assert stream.getvalue() == f"\r{text}\r{' ' * len(text)}\r"
+
+
+class InterruptedShow(SlowSystemctl):
+    """Ctrl-C on a terminal reaches `systemctl show` too (one process group): the runner raises it."""
+
+    def run(
+        self,
+        argv: Sequence[str],
+        *,
+        timeout: float,
+        env: Mapping[str, str] | None = None,
+        input: str | None = None,
+    ) -> CommandResult:
+        if tuple(argv[:2]) == ("systemctl", "show") and self.shows_since_start == 2:
+            raise KeyboardInterrupt
+        return super().run(argv, timeout=timeout, env=env, input=input)
+
+
+def test_ctrl_c_while_systemctl_is_asked_is_the_same_clear_state(
+    tmp_path: Path, clock: FakeClock, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = install(tmp_path, InterruptedShow(polls=100), capsys, "--json")
+    assert code == ExitCode.INTERRUPTED
+    doc = json_document(out)
+    assert doc["changed"] is True and doc["error"]["message"] == service.INTERRUPTED
+    assert service.INTERRUPTED in err
+
+
+def test_a_live_line_never_wraps_in_a_narrow_terminal() -> None:
+    stream = io.StringIO()
+    line = WaitLine(stream, live=True, width=40)
+    line(service.Waiting("gpunode-device-plugin.service to register with kubelet", 12.0, 120.0))
+    line(service.Waiting("gpunode-device-plugin.service to register with kubelet", 13.0, 120.0))
+    drawn = stream.getvalue().split("\r")[1:]
+    # 39 columns (the cursor stays on the line), the time first so that it is never the part cut off.
+    assert drawn == ["waiting (12 s of at most 120 s) for gpu", "waiting (13 s of at most 120 s) for gpu"]
