@@ -23,7 +23,7 @@ from gpunode.nvml.model import Inventory
 
 if TYPE_CHECKING:
     from gpunode.runtimes.plan import RuntimePlan
-    from gpunode.systemd.service import ServicePlan
+    from gpunode.systemd.service import ServicePlan, Waiting
 
 # doctor findings that gpunode up cannot fix: it stops before changing anything
 BLOCKING_PREFIXES = ("driver", "nvml", "kubelet")
@@ -48,6 +48,8 @@ class UpOptions:
     cdi: bool = False
     # Where the package manager's output goes while the toolkit installs (the CLI shows it).
     on_output: Callable[[str], None] | None = field(default=None, compare=False)
+    # The plugin step's wait for the service to register (up to 120 s): each poll, for the CLI's progress.
+    on_wait: Callable[[Waiting], None] | None = field(default=None, compare=False)
 
 
 @dataclass
@@ -288,8 +290,10 @@ def _plugin(host: Host, opts: UpOptions) -> Step:
         fresh = service.plan_install(
             host, config_file=opts.plugin_config, start=True, executable=service.gpunode_executable()
         )
-        result = service.apply_install(host, fresh)
-        return f"{service.UNIT} is {result.active}: {result.properties.get('StatusText') or 'registered'}"
+        result = service.apply_install(host, fresh, progress=opts.on_wait)
+        waited = f" (after {result.waited_s:.0f} s)" if result.waited_s is not None else ""
+        status = result.properties.get("StatusText") or "registered"
+        return f"{service.UNIT} is {result.active}: {status}{waited}"
 
     return Step(
         "plugin",

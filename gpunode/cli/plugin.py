@@ -420,16 +420,27 @@ def install(
     if not as_json:
         for note in plan.notes:
             click.echo(f"note: {note}")
-    result = service.apply_install(host, plan)
+    from gpunode.cli.waitline import WaitLine
+
+    # The wait for the plugin to register can last 120 s: its progress goes to stderr, never to stdout.
+    with WaitLine() as waiting:
+        try:
+            result = service.apply_install(host, plan, progress=waiting)
+        finally:
+            if as_json:
+                jsonout.update(**waiting.json())  # an error document (Ctrl-C, a timeout) carries it too
     if as_json:
         state_field = {} if host.offline else {"state": _state_json(result)}
-        jsonout.emit(jsonout.document("plugin-install", changed=True, **_plan_json(plan), **state_field))
+        doc = jsonout.document("plugin-install", changed=True, **_plan_json(plan), **state_field)
+        jsonout.emit({**doc, **waiting.json()})
         return
     for f in plan.files:
         click.echo(f"{'wrote' if f.changed else 'unchanged'} {f.path}")
     _print_links(plan, host, done=True)
     for argv in plan.commands:
         click.echo(f"ran {' '.join(argv)}")
+    if waiting.last is not None:
+        click.echo(f"waited {waiting.last.elapsed:.0f} s for {waiting.last.what}")
     if not host.offline:
         _print_state(result)
 

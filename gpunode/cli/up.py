@@ -77,6 +77,7 @@ def up(
 
     from gpunode.cli.common import refuse_foreign_root
     from gpunode.cli.state import state
+    from gpunode.cli.waitline import WaitLine
     from gpunode.errors import ExitCode, GpunodeError
     from gpunode.nvml.discovery import discover
     from gpunode.up import UpOptions, plan_up
@@ -104,6 +105,10 @@ def up(
 
         jsonout.request("up", dry_run=dry_run)
         opts = replace(opts, on_output=None)  # the package manager's lines would break the document
+    # The plugin step waits up to 120 s for the service to register: its progress goes to stderr (never
+    # into the --json document), cleared before the step's result or an error is printed.
+    waiting = WaitLine()
+    opts = replace(opts, on_wait=waiting)
     steps = plan_up(host, opts, discover)
     blocked = next((s for s in steps if s.blocked), None)
     if blocked is not None and blocked.error is None:
@@ -112,15 +117,16 @@ def up(
             blocked.fix or "run `gpunode doctor` for the details",
             exit_code=ExitCode.UNHEALTHY,
         )
-    run_plan(
-        "up",
-        steps,
-        dry_run=dry_run,
-        yes=yes,
-        as_json=as_json,
-        nothing="the node is already set up: nothing to change",
-        finished="the node is set up; `gpunode doctor` checks it",
-    )
+    with waiting:
+        run_plan(
+            "up",
+            steps,
+            dry_run=dry_run,
+            yes=yes,
+            as_json=as_json,
+            nothing="the node is already set up: nothing to change",
+            finished="the node is set up; `gpunode doctor` checks it",
+        )
 
 
 def run_plan(

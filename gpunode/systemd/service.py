@@ -20,7 +20,7 @@ from importlib import resources
 from pathlib import Path
 
 from gpunode import paths
-from gpunode.errors import CommandFailed, ConfigError, GpunodeError, NotFound, PermissionDenied
+from gpunode.errors import CommandFailed, ConfigError, ExitCode, GpunodeError, NotFound, PermissionDenied
 from gpunode.host import Host
 from gpunode.plugin import statusfile
 from gpunode.services import journal_tail
@@ -38,6 +38,15 @@ DOCTOR_SERVICE = "gpunode-doctor-metrics.service"
 DOCTOR_TIMER = "gpunode-doctor-metrics.timer"
 DOCTOR_FILE = "gpunode_doctor.prom"
 READY_TIMEOUT = 120.0
+POLL_INTERVAL = 0.5
+# What install waits for (its progress line, and `waited_for` in its --json result).
+WAITING_FOR = f"{UNIT} to register with kubelet"
+# Ctrl-C during that wait: nothing is rolled back (the unit is written, enabled and started, and may
+# still come up), so the message says what is left and how to look at it.
+INTERRUPTED = (
+    f"interrupted while waiting: {UNIT} is installed and started; check it with "
+    "`gpunode plugin status` / `journalctl -u gpunode-device-plugin`"
+)
 SYSTEMCTL_TIMEOUT = 60.0
 SHOW_PROPERTIES = (
     "LoadState",
@@ -91,11 +100,28 @@ class ServicePlan:
         )
 
 
+@dataclass(frozen=True)
+class Waiting:
+    """Where install's wait for the unit stands: reported at each poll, for the CLI's progress line."""
+
+    what: str
+    elapsed: float
+    timeout: float
+    done: bool = False  # the last report: the unit is active, failed, or the time is up
+
+
+# The wait's clock and pause: module attributes, read at each call, so that a test of the CLI can run the
+# wait (and interrupt it) without real time passing.
+monotonic: Callable[[], float] = time.monotonic
+pause: Callable[[float], None] = time.sleep
+
+
 @dataclass
 class ServiceState:
     properties: dict[str, str] = field(default_factory=dict)
     plugin: dict[str, object] | None = None  # the plugin's own status file, when it is running
     lookup: statusfile.Lookup = field(default_factory=statusfile.Lookup)  # where that file was looked for
+    waited_s: float | None = None  # install: how long it waited for the unit to turn active (None: no wait)
 
     @property
     def installed(self) -> bool:
@@ -357,8 +383,11 @@ def apply_install(
     plan: ServicePlan,
     *,
     timeout: float = READY_TIMEOUT,
-    sleep: Callable[[float], None] = time.sleep,
+    sleep: Callable[[float], None] | None = None,
+    clock: Callable[[], float] | None = None,
+    progress: Callable[[Waiting], None] | None = None,
 ) -> ServiceState:
+    """`progress` is called at each poll of the wait for the unit (see wait_until_active)."""
     require_root(host, "plugin install")
     changed = False  # a file written, a link made or a systemctl command run: nothing is rolled back
     try:
@@ -382,7 +411,7 @@ def apply_install(
             return ServiceState()  # this machine's systemd knows nothing of the root's units: not asked
         if not plan.wait_ready:
             return service_state(host)
-        return wait_until_active(host, timeout=timeout, sleep=sleep)
+        return wait_until_active(host, timeout=timeout, sleep=sleep, clock=clock, progress=progress)
     except GpunodeError as err:
         # The files written stay (a re-run finishes the install, uninstall removes them): the --json
         # error document must say that the host changed.
@@ -391,26 +420,52 @@ def apply_install(
 
 
 def wait_until_active(
-    host: Host, *, timeout: float = READY_TIMEOUT, sleep: Callable[[float], None] = time.sleep
+    host: Host,
+    *,
+    timeout: float = READY_TIMEOUT,
+    sleep: Callable[[float], None] | None = None,
+    clock: Callable[[], float] | None = None,
+    progress: Callable[[Waiting], None] | None = None,
 ) -> ServiceState:
     """Type=notify: the unit turns active only after the plugin's READY=1, i.e. once it has registered.
 
-    Polling systemctl is the only way to wait on another process's unit from outside.
+    Polling systemctl is the only way to wait on another process's unit from outside. `progress` hears
+    what is waited for and for how long at every poll, the last one included (the CLI shows it: the wait
+    can last `timeout` seconds). Ctrl-C ends the wait, not the install: the error says what is left.
     """
-    deadline = time.monotonic() + timeout
-    while True:
-        state = service_state(host)
-        if state.active == "active":
-            return state
-        if state.active == "failed" or time.monotonic() >= deadline:
-            why = state.properties.get("StatusText") or state.properties.get("Result") or state.active
-            raise CommandFailed(
-                f"{UNIT} did not become ready within {timeout:.0f}s ({state.active}: {why})"
-                + journal_tail(host, UNIT),
-                "the plugin is ready once it has registered with kubelet: check that kubelet runs "
-                f"(`systemctl status kubelet`) and `journalctl -u {UNIT}`",
-            )
-        sleep(0.5)
+    sleep = sleep or pause
+    clock = clock or monotonic
+    start = clock()
+    try:
+        while True:
+            state = service_state(host)
+            elapsed = max(0.0, clock() - start)
+            over = state.active in ("active", "failed") or elapsed >= timeout
+            if progress is not None:
+                progress(Waiting(WAITING_FOR, elapsed, timeout, done=over))
+            if state.active == "active":
+                state.waited_s = elapsed
+                return state
+            if over:
+                why = state.properties.get("StatusText") or state.properties.get("Result") or state.active
+                raise CommandFailed(
+                    f"{UNIT} did not become ready within {timeout:.0f}s ({state.active}: {why})"
+                    + journal_tail(host, UNIT),
+                    "the plugin is ready once it has registered with kubelet: check that kubelet runs "
+                    f"(`systemctl status kubelet`) and `journalctl -u {UNIT}`",
+                )
+            sleep(POLL_INTERVAL)
+    except KeyboardInterrupt:
+        # Not rolled back: the unit may still come up, and stopping a plugin that is about to register
+        # would undo a good install. The host changed (the --json error document says so).
+        err = GpunodeError(
+            INTERRUPTED,
+            "nothing was rolled back: the service comes up once the plugin registers; "
+            "`gpunode plugin uninstall` removes it",
+            exit_code=ExitCode.INTERRUPTED,
+        )
+        err.changed = True
+        raise err from None
 
 
 def plan_uninstall(host: Host) -> ServicePlan:

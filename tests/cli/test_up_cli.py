@@ -38,6 +38,8 @@ class FakeSystemd:
     )
     enabled: set[str] = field(default_factory=set)
     calls: list[tuple[str, ...]] = field(default_factory=list)
+    # A started unit stays "activating" for this many `show`s (a plugin that takes a while to register).
+    activating_shows: int = 0
 
     def run(self, argv: tuple[str, ...]) -> CommandResult:
         self.calls.append(argv)
@@ -48,6 +50,10 @@ class FakeSystemd:
         if verb == "show":
             unit = units[0]
             state = self.active.get(unit, "inactive")
+            if state == "activating":
+                self.activating_shows -= 1
+                if self.activating_shows < 0:
+                    state = self.active[unit] = "active"
             text = (
                 f"ActiveState={state}\nSubState={'running' if state == 'active' else 'dead'}\n"
                 f"UnitFileState={'enabled' if unit in self.enabled else 'disabled'}\n"
@@ -62,7 +68,7 @@ class FakeSystemd:
             if "--now" in argv:
                 self.active.update(dict.fromkeys(units, "inactive"))
         elif verb in ("start", "restart"):
-            self.active.update(dict.fromkeys(units, "active"))
+            self.active.update(dict.fromkeys(units, "activating" if self.activating_shows else "active"))
         elif verb != "daemon-reload":
             raise AssertionError(f"unexpected systemctl call {argv}")
         return CommandResult(argv, 0, "", "")
@@ -325,3 +331,50 @@ def test_up_repairs_repository_files_that_drifted(
     assert code == ExitCode.OK, err
     assert listing.read_text() == good
     assert not [c for c in runner(node).changes if "apt-get" in c[0] and "install" in c]
+
+
+def test_up_shows_the_wait_for_the_plugin_and_ctrl_c_there_leaves_it_installed(
+    node: Host, api: ApiServer, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpunode.systemd import service
+
+    # No real time: each pause moves a fake clock on by its length; the 41st is Ctrl-C.
+    now = [0.0]
+
+    def pause(seconds: float) -> None:
+        if now[0] >= 20.0:
+            raise KeyboardInterrupt
+        now[0] += seconds
+
+    monkeypatch.setattr(service, "monotonic", lambda: now[0])
+    monkeypatch.setattr(service, "pause", pause)
+    runner(node).systemd.activating_shows = 1000
+    code, out, err = up(node, api, capsys, "--yes")
+    assert code == ExitCode.INTERRUPTED
+    # The progress, on stderr (not a terminal here: a plain line every 10 s).
+    wait = "waiting for gpunode-device-plugin.service to register with kubelet"
+    assert f"{wait} (10 s of at most 120 s)\n{wait} (20 s of at most 120 s)\n" in err
+    assert wait not in out
+    assert (
+        "gpunode: error: step plugin failed: interrupted while waiting: gpunode-device-plugin.service is "
+        "installed and started; check it with `gpunode plugin status` / `journalctl -u gpunode-device-plugin`"
+    ) in err
+    assert "not done: labels" in err
+    assert node.path("/etc/systemd/system/gpunode-device-plugin.service").exists()
+    assert runner(node).systemd.active["gpunode-device-plugin.service"] == "activating"  # not stopped
+    assert "gpunode-device-plugin.service" in runner(node).systemd.enabled
+
+
+def test_up_says_how_long_the_plugin_took_to_register(
+    node: Host, api: ApiServer, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpunode.systemd import service
+
+    now = [0.0]
+    monkeypatch.setattr(service, "monotonic", lambda: now[0])
+    monkeypatch.setattr(service, "pause", lambda seconds: now.__setitem__(0, now[0] + seconds))
+    runner(node).systemd.activating_shows = 24  # registered after 12 s
+    code, out, err = up(node, api, capsys, "--yes")
+    assert code == ExitCode.OK, err
+    assert "    plugin: gpunode-device-plugin.service is active: " in out and "(after 12 s)\n" in out
+    assert err.count("waiting for gpunode-device-plugin.service") == 1  # the 10 s line
