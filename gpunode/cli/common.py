@@ -3,9 +3,10 @@ every command's help ends with (the README is not installed with the tool)."""
 
 from __future__ import annotations
 
+import re
 import sys
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -41,6 +42,38 @@ def complete_simulate(ctx: click.Context, param: click.Parameter, incomplete: st
     from gpunode.plugin.simulate import PROFILES
 
     return [name for name in PROFILES if name.startswith(incomplete)]
+
+
+def checked(check: Callable[[Any], object]) -> Callable[[click.Context, click.Parameter, Any], Any]:
+    """An option's callback from one of gpunode's own checks (the one the work itself makes later): a bad
+    value is refused while the command line is parsed, in click's form (exit 2), before NVML, the API, a
+    file or a command is touched (issue 24). The value is returned as given: the work normalises it.
+
+    The check's message names its flag first ("--repo-url 'x' holds ..."); click names the option once
+    ("Invalid value for '--repo-url': 'x' holds ..."), and the check's fix follows, with this option's
+    name where the check named another (`up --toolkit-version` is `toolkit install --version`)."""
+
+    def callback(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+        from gpunode.errors import GpunodeError
+
+        if value is None:
+            return value
+        try:
+            check(value)
+        except GpunodeError as err:
+            flag = _LEADING_FLAG.match(err.message)
+            detail = err.message[flag.end() :] if flag else err.message
+            fix = err.fix or ""
+            if flag and param.opts and flag.group(1) != param.opts[0]:
+                fix = re.sub(rf"{re.escape(flag.group(1))}\b", param.opts[0], fix)
+            raise click.BadParameter(f"{detail}; {fix}" if fix else detail, ctx=ctx, param=param) from None
+        return value
+
+    return callback
+
+
+# "--flag 'x' ...", "--flag: 'x' ...", "invalid --flag 'x'", "plugin manifest: --flag 'x' ...".
+_LEADING_FLAG = re.compile(r"(?:[a-z-]+ [a-z-]+: )?(?:invalid )?(--[a-z][a-z-]*):? ")
 
 
 class HelpFormatter(click.HelpFormatter):
@@ -117,14 +150,16 @@ def exit_codes(*own: str, full: bool = False) -> str:
     return "\b\nExit status:\n" + "\n".join(f"  {line}" for line in lines)
 
 
-def refuse_foreign_root(host: Host, dry_run: bool) -> None:
+def refuse_foreign_root(host: Host, dry_run: bool, why: str) -> None:
+    """Refuse a command that would act outside --root DIR unless it is a dry run. `why` is the caller's
+    own reason, true for that command as called ("this machine's package manager would install ..."):
+    each command acts differently (down without --toolkit runs no package manager)."""
     from gpunode.errors import UsageError
     from gpunode.host import SubprocessRunner
 
-    # The package manager would change THIS machine, not the tree under --root.
     if not dry_run and not host.is_real_root and isinstance(host.runner, SubprocessRunner):
         raise UsageError(
-            f"--root {host.root} works with --dry-run only: the package manager would change this machine",
+            f"--root {host.root} works with --dry-run only: {why}",
             "add --dry-run, or run gpunode inside that system (chroot, systemd-nspawn)",
         )
 

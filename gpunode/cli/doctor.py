@@ -38,6 +38,7 @@ _STYLE = {
 @click.option(
     "--prometheus",
     metavar="FILE",
+    callback=lambda ctx, param, value: _check_textfile(value),
     help="Also write the findings as Prometheus metrics to FILE, atomically, for node_exporter's textfile "
     "collector (e.g. /var/lib/node_exporter/textfile_collector/gpunode_doctor.prom).",
 )
@@ -71,6 +72,16 @@ def doctor(ctx: click.Context, as_json: bool, prometheus: str | None) -> None:
     else:
         sys.stdout.write(render_plain(report))
     raise click.exceptions.Exit(int(ExitCode.OK if report.healthy else ExitCode.UNHEALTHY))
+
+
+def _check_textfile(path: str | None) -> str | None:
+    # Said while parsing: otherwise every check would run first, and only the write would find it.
+    if path is not None and (not path or path.endswith("/") or path.rsplit("/", 1)[-1] in (".", "..")):
+        raise click.BadParameter(
+            f"{path!r} is not a file name; give the file to write, e.g. "
+            "/var/lib/node_exporter/textfile_collector/gpunode_doctor.prom"
+        )
+    return path
 
 
 def _problems(report: Report) -> list[Finding]:

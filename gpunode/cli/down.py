@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from gpunode.cli.common import Command, exit_codes
-from gpunode.cli.node import kube_options
+from gpunode.cli.node import check_node, kube_options
 
 
 @click.command(
@@ -19,7 +19,7 @@ from gpunode.cli.node import kube_options
 @click.option(
     "--toolkit", is_flag=True, help="Also remove nvidia-container-toolkit and its repository files."
 )
-@click.option("--node", metavar="NAME", help="Node name to withdraw from.")
+@click.option("--node", metavar="NAME", callback=check_node, help="Node name to withdraw from.")
 @click.option("--dry-run", is_flag=True, help="Print the plan; change nothing.")
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation (unattended use).")
 @click.option(
@@ -56,7 +56,15 @@ def down(
     from gpunode.down import DownOptions, plan_down
 
     host = state(ctx).host
-    refuse_foreign_root(host, dry_run)
+    # No package manager runs without --toolkit; what still acts outside the root is the node step.
+    refuse_foreign_root(
+        host,
+        dry_run,
+        f"--toolkit would remove the packages with this machine's package manager, here, not in {host.root}"
+        if toolkit
+        else "its node step withdraws capacity and labels through the Kubernetes API: a change to the live "
+        f"cluster, not to the files in {host.root}",
+    )
     opts = DownOptions(
         toolkit=toolkit,
         node=node,

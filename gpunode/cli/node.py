@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from gpunode.cli.common import Group, exit_codes
+from gpunode.cli.common import Group, checked, exit_codes
 
 if TYPE_CHECKING:
     from gpunode.advertise import Change
@@ -46,6 +46,34 @@ def _request_timeout(ctx: click.Context, param: click.Parameter, value: str | No
         raise click.BadParameter(f"{exc.message}; {exc.fix}", ctx=ctx, param=param) from None
 
 
+def _server(url: str) -> None:
+    from gpunode.kube.credentials import _normalise_server
+
+    _normalise_server(url, "--server")  # the check the client makes before its first request
+
+
+def _node(name: str) -> None:
+    from gpunode.kube.client import _node_path
+
+    _node_path(name)  # the check the client makes on the name before it asks for the Node
+
+
+def _resource(name: str) -> None:
+    from gpunode.advertise import _check_resource
+
+    _check_resource(name)
+
+
+def _count(count: int | None) -> int | None:
+    # Before NVML is asked for the GPUs it would replace (advertise makes the same check later).
+    if count is not None and count < 0:
+        raise click.BadParameter(f"{count}: a count cannot be negative; give 0 or more")
+    return count
+
+
+check_node = checked(_node)  # --node of advertise, withdraw, up and down
+
+
 def kube_options(command: F) -> F:
     """The credential options every command that talks to the API takes (also `gpunode up` and `down`):
     --kubeconfig, --context, --server, --request-timeout (seconds as a float; 0 no timeout)."""
@@ -56,6 +84,7 @@ def kube_options(command: F) -> F:
             click.option(
                 "--server",
                 metavar="URL",
+                callback=checked(_server),
                 help="API server URL, overriding the kubeconfig's (e.g. `kubectl proxy`'s "
                 "http://127.0.0.1:8001).",
             ),
@@ -79,13 +108,23 @@ _API = "9    the Kubernetes API refused the request or could not be reached"
 @click.option(
     "--node",
     metavar="NAME",
+    callback=check_node,
     help="Node name (default: $NODE_NAME, kubelet's --hostname-override, the host name).",
 )
 @click.option(
-    "--resource", default="nvidia.com/gpu", show_default=True, metavar="NAME", help="Extended resource name."
+    "--resource",
+    default="nvidia.com/gpu",
+    show_default=True,
+    metavar="NAME",
+    callback=checked(_resource),
+    help="Extended resource name.",
 )
 @click.option(
-    "--count", type=click.INT, metavar="N", help="Capacity to advertise (default: the GPUs NVML reports)."
+    "--count",
+    type=click.INT,
+    callback=lambda ctx, param, value: _count(value),
+    metavar="N",
+    help="Capacity to advertise (default: the GPUs NVML reports).",
 )
 @click.option("--labels/--no-labels", default=True, help="Set the GPU feature discovery labels.")
 @click.option(
@@ -133,10 +172,11 @@ def advertise(
 
 
 @app.command("withdraw", epilog=exit_codes("0    withdrawn (or nothing of gpunode's was there)", _API))
-@click.option("--node", metavar="NAME", help="Node name (default as for advertise).")
+@click.option("--node", metavar="NAME", callback=check_node, help="Node name (default as for advertise).")
 @click.option(
     "--resource",
     metavar="NAME",
+    callback=checked(_resource),
     help="Also remove this resource's capacity (default: only what gpunode advertised).",
 )
 @click.option("--dry-run", is_flag=True, help="Read the node and print the patches; change nothing.")

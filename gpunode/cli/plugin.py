@@ -9,6 +9,7 @@ import click
 
 from gpunode.cli.common import (
     Group,
+    checked,
     complete_device_list_strategy,
     complete_mig_strategy,
     complete_simulate,
@@ -348,6 +349,12 @@ def run(
     )
 
 
+def _unit_path(option: str, path: str) -> None:
+    from gpunode.systemd.unitsyntax import absolute_path
+
+    absolute_path(option, path)  # the check plan_install makes, before root or systemd is asked
+
+
 @app.command(
     "install",
     epilog=exit_codes(
@@ -371,6 +378,7 @@ def run(
 @click.option(
     "--doctor-metrics",
     metavar="DIR",
+    callback=checked(lambda directory: _unit_path("--doctor-metrics", directory)),
     help="Also install gpunode-doctor-metrics.timer: every 5 minutes `gpunode doctor --prometheus` writes "
     "DIR/gpunode_doctor.prom for node_exporter's textfile collector (its --collector.textfile.directory).",
 )
@@ -503,6 +511,7 @@ def uninstall(ctx: click.Context, dry_run: bool, as_json: bool) -> None:
 @click.option(
     "--status-file",
     metavar="PATH",
+    callback=lambda ctx, param, value: _absolute_status_file(value),
     help="Read this status file: the one a plugin started by hand or in a container was given with "
     "`plugin run --status-file` (env GPUNODE_PLUGIN_STATUS_FILE). Default: where the systemd unit tells the "
     "service to write it, else /run/gpunode/plugin-status.json.",
@@ -530,6 +539,16 @@ def status(ctx: click.Context, status_file: str | None, as_json: bool) -> None:
         _print_state(current)
     if not ok:
         raise click.exceptions.Exit(int(ExitCode.UNHEALTHY))
+
+
+def _absolute_status_file(path: str | None) -> str | None:
+    # `plugin run` takes only an absolute --status-file: a relative one names no file a plugin writes.
+    if path is not None and not path.startswith("/"):
+        raise click.BadParameter(
+            f"{path!r} is not an absolute path; give the path the plugin was started with "
+            "(`plugin run --status-file`)"
+        )
+    return path
 
 
 @app.command(

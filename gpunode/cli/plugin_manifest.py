@@ -8,7 +8,33 @@ from __future__ import annotations
 
 import click
 
-from gpunode.cli.common import Command, exit_codes
+from gpunode.cli.common import Command, checked, exit_codes
+
+
+def _namespace(namespace: str) -> None:
+    import re
+
+    from gpunode.errors import UsageError
+
+    # A DNS-1123 label, as the API requires of a namespace's name: refused here rather than by kubectl.
+    if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", namespace):
+        raise UsageError(
+            f"{namespace!r} is not a valid namespace name",
+            "use lower-case letters, digits and '-', at most 63 characters",
+        )
+
+
+def _image(image: str) -> None:
+    from gpunode.errors import UsageError
+
+    if not image or any(c.isspace() for c in image):
+        raise UsageError(f"{image!r} is not an image reference", "give e.g. registry/name:tag")
+
+
+def _status_file(path: str) -> None:
+    from gpunode.plugin.manifest import status_file_path
+
+    status_file_path(path)
 
 
 @click.command(
@@ -32,18 +58,21 @@ from gpunode.cli.common import Command, exit_codes
     metavar="NAME",
     default="gpunode-system",
     show_default=True,
+    callback=checked(_namespace),
     help="The namespace created for the plugin.",
 )
 @click.option(
     "--image",
     metavar="IMAGE",
     default=None,
+    callback=checked(_image),
     help="The image built from the Containerfile (default gpunode-device-plugin:<this version>).",
 )
 @click.option(
     "--status-file",
     metavar="PATH",
     default=None,
+    callback=checked(_status_file),
     help="Where the plugin keeps its status file in the container; the liveness probe reads it "
     "(default /run/gpunode/plugin-status.json, on an emptyDir).",
 )
@@ -65,23 +94,12 @@ def manifest(
     """Print the Kubernetes manifests (Namespace, ServiceAccount, RBAC, ConfigMap, DaemonSet) that run the
     device plugin with this node's config on every GPU node: the same settings as `plugin install`."""
     import os
-    import re
 
     from gpunode.cli.state import state
-    from gpunode.errors import UsageError
     from gpunode.plugin import manifest as dm
     from gpunode.plugin.config import load_config
 
-    # A DNS-1123 label, as the API requires of a namespace's name: refused here rather than by kubectl.
-    if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", namespace):
-        raise UsageError(
-            f"plugin manifest: --namespace {namespace!r} is not a valid namespace name",
-            "use lower-case letters, digits and '-', at most 63 characters",
-        )
-    if image is not None and (not image or any(c.isspace() for c in image)):
-        raise UsageError(
-            f"plugin manifest: --image {image!r} is not an image reference", "give e.g. registry/name:tag"
-        )
+    # The option values were checked while parsing (their callbacks); normalised here.
     if status_file is not None:
         status_file = dm.status_file_path(status_file)
     host = state(ctx).host

@@ -10,14 +10,49 @@ from typing import TYPE_CHECKING
 
 import click
 
-from gpunode.cli.common import Command, complete_runtime, exit_codes
+from gpunode.cli.common import Command, checked, complete_runtime, exit_codes
 from gpunode.errors import UsageError
-from gpunode.runtimes.plan import DEFAULT_RUNTIME_PATH
+from gpunode.runtimes.plan import DEFAULT_RUNTIME_PATH, RUNTIMES, ConfigureOptions
 
 if TYPE_CHECKING:
     from gpunode.host import Host
     from gpunode.runtimes.configure import Outcome
     from gpunode.runtimes.plan import RuntimePlan
+
+
+def _runtime(name: str) -> None:
+    # choose_runtime's own refusal, made while parsing: before kubelet's files are read to pick one.
+    if name not in RUNTIMES:
+        raise UsageError(f"unknown runtime {name!r}", f"name one of: {', '.join(RUNTIMES)}")
+
+
+def _options_check(field: str) -> Callable[[str], None]:
+    """The check the plan makes (configure.check_options) of one option: runtime_name or runtime_path."""
+
+    def check(value: str) -> None:
+        from gpunode.runtimes.configure import check_options
+
+        check_options(ConfigureOptions(**{field: value}))  # type: ignore[arg-type]
+
+    return check
+
+
+def _host_path(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    # A relative path is the shell's on the real root (made absolute below); under --root it means
+    # nothing in DIR, which the plan would refuse only after reading kubelet's files to pick the runtime.
+    host = getattr(ctx.find_root().obj, "host", None)  # the root command's (None while completing)
+    root = getattr(host, "root", None)
+    if value is not None and not value.startswith("/") and host is not None and not host.is_real_root:
+        raise click.BadParameter(
+            f"{value!r} is not an absolute path; under --root give the path as the system in {root} sees it "
+            "(e.g. /etc/containerd/config.toml)",
+            ctx=ctx,
+            param=param,
+        )
+    return value
+
+
+check_runtime = checked(_runtime)  # also `up --runtime`
 
 
 @click.command(
@@ -33,10 +68,12 @@ if TYPE_CHECKING:
     required=False,
     metavar="[RUNTIME]",
     shell_complete=complete_runtime,
+    callback=check_runtime,
 )
 @click.option(
     "--config",
     metavar="PATH",
+    callback=_host_path,
     help="The configuration file. Default: the runtime's standard one (k3s/RKE2/microk8s: the template).",
 )
 @click.option("--set-as-default", is_flag=True, help="Make it the default runtime.")
@@ -46,14 +83,21 @@ if TYPE_CHECKING:
     default=DEFAULT_RUNTIME_PATH,
     show_default=True,
     metavar="PATH",
+    callback=checked(_options_check("runtime_path")),
     help="The nvidia-container-runtime binary.",
 )
 @click.option(
-    "--runtime-name", default="nvidia", show_default=True, metavar="NAME", help="The runtime's name."
+    "--runtime-name",
+    default="nvidia",
+    show_default=True,
+    metavar="NAME",
+    callback=checked(_options_check("runtime_name")),
+    help="The runtime's name.",
 )
 @click.option(
     "--drop-in",
     metavar="PATH",
+    callback=_host_path,
     help="containerd: put the runtime in this drop-in, imported by the main file. "
     "CRI-O: the drop-in to write (default /etc/crio/crio.conf.d/99-nvidia.toml).",
 )

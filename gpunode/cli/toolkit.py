@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING
 
 import click
 
-from gpunode.cli.common import Group, confirm, exit_codes, refuse_foreign_root
-from gpunode.toolkit.managers import DEFAULT_REPO_URL
+from gpunode.cli.common import Group, checked, confirm, exit_codes, refuse_foreign_root
+from gpunode.toolkit.managers import DEFAULT_REPO_URL, package_version
 
 if TYPE_CHECKING:
     from gpunode.toolkit.install import Outcome, Progress, ToolkitPlan, ToolkitStatus
@@ -27,15 +27,35 @@ def app() -> None:
 _DECLINED = "1    the confirmation was declined (nothing changed)"
 
 
+def _repo_url(url: str) -> None:
+    from gpunode.toolkit.install import check_repo_url
+
+    check_repo_url(url)
+
+
+def _fingerprint(text: str) -> None:
+    from gpunode.toolkit.keys import normalize_fingerprint
+
+    normalize_fingerprint(text)
+
+
+# The checks `toolkit install` makes when it plans, made while parsing (also for `up`'s same options).
+check_version = checked(package_version)
+check_repo_url = checked(_repo_url)
+check_fingerprint = checked(_fingerprint)
+
+
 @app.command("install", epilog=exit_codes("0    installed (or already so)", _DECLINED))
 @click.option(
     "--version",
     metavar="X.Y.Z",
+    callback=check_version,
     help="Pin all four packages to this version (default: the newest; an installed one is kept).",
 )
 @click.option(
     "--repo-url",
     metavar="URL",
+    callback=check_repo_url,
     help="The repositories' base URL: a mirror for air-gapped nodes (default: the one the last install "
     f"used, else {DEFAULT_REPO_URL}).",
 )
@@ -47,6 +67,7 @@ _DECLINED = "1    the confirmation was declined (nothing changed)"
 @click.option(
     "--key-fingerprint",
     metavar="FPR",
+    callback=check_fingerprint,
     help="Trust the key with this fingerprint instead of NVIDIA's (a mirror signed with its own key).",
 )
 @click.option("--experimental", is_flag=True, help="Also enable the experimental repository.")
@@ -77,7 +98,9 @@ def install(
 
     host = state(ctx).host
     _json_request("toolkit-install", as_json, dry_run)
-    refuse_foreign_root(host, dry_run)
+    refuse_foreign_root(
+        host, dry_run, f"this machine's package manager would install the packages here, not in {host.root}"
+    )
     if not dry_run:
         toolkit.require_root(host, "toolkit install")
     opts = toolkit.InstallOptions(
@@ -129,7 +152,9 @@ def uninstall(ctx: click.Context, dry_run: bool, yes: bool, as_json: bool) -> No
 
     host = state(ctx).host
     _json_request("toolkit-uninstall", as_json, dry_run)
-    refuse_foreign_root(host, dry_run)
+    refuse_foreign_root(
+        host, dry_run, f"this machine's package manager would remove the packages here, not in {host.root}"
+    )
     if not dry_run:
         toolkit.require_root(host, "toolkit uninstall")
     if dry_run:

@@ -7,7 +7,9 @@ from typing import TYPE_CHECKING
 import click
 
 from gpunode.cli.common import Command, complete_runtime, exit_codes
-from gpunode.cli.node import kube_options
+from gpunode.cli.node import check_node, kube_options
+from gpunode.cli.runtime import check_runtime
+from gpunode.cli.toolkit import check_fingerprint, check_repo_url, check_version
 
 if TYPE_CHECKING:
     from gpunode.up import Step
@@ -21,19 +23,24 @@ if TYPE_CHECKING:
         "1    preflight found the node not ready, or the confirmation was declined (nothing changed)",
     ),
 )
-@click.option("--toolkit-version", metavar="X.Y.Z", help="Pin nvidia-container-toolkit.")
-@click.option("--repo-url", metavar="URL", help="Mirror of NVIDIA's repositories.")
+@click.option(
+    "--toolkit-version", metavar="X.Y.Z", callback=check_version, help="Pin nvidia-container-toolkit."
+)
+@click.option("--repo-url", metavar="URL", callback=check_repo_url, help="Mirror of NVIDIA's repositories.")
 @click.option("--key-file", metavar="PATH", help="The repositories' signing key, from a file.")
-@click.option("--key-fingerprint", metavar="FPR", help="Trust this key instead of NVIDIA's.")
+@click.option(
+    "--key-fingerprint", metavar="FPR", callback=check_fingerprint, help="Trust this key instead of NVIDIA's."
+)
 @click.option(
     "--runtime",
     metavar="RUNTIME",
     shell_complete=complete_runtime,
+    callback=check_runtime,
     help="Container runtime to configure: docker, containerd or crio (default: the one kubelet uses).",
 )
 @click.option("--plugin-config", metavar="FILE", help="Device plugin TOML config to install.")
 @click.option("--labels/--no-labels", default=True, help="Set the GPU labels (needs API credentials).")
-@click.option("--node", metavar="NAME", help="Node name for the labels.")
+@click.option("--node", metavar="NAME", callback=check_node, help="Node name for the labels.")
 @click.option(
     "--cdi",
     is_flag=True,
@@ -83,7 +90,12 @@ def up(
     from gpunode.up import UpOptions, plan_up
 
     host = state(ctx).host
-    refuse_foreign_root(host, dry_run)
+    refuse_foreign_root(
+        host,
+        dry_run,
+        "its toolkit step installs nvidia-container-toolkit, and this machine's package manager would "
+        f"install it here, not in {host.root}",
+    )
     opts = UpOptions(
         toolkit_version=toolkit_version,
         repo_url=repo_url,

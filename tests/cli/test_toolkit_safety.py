@@ -84,7 +84,7 @@ def test_a_repo_url_with_a_password_is_refused_without_showing_it(
     url = "https://user:mirror-pw-never-shown@mirror.example/nvidia"
     code, _, err = cli(host, capsys, *install_args(tmp_path, "--repo-url", url))
     assert code == ExitCode.USAGE
-    assert "--repo-url https://mirror.example/nvidia carries a user name or password" in err
+    assert "'--repo-url': https://mirror.example/nvidia carries a user name or password" in err
     assert "auth.conf.d" in err and "mirror-pw-never-shown" not in err
     assert fake.calls == []
 

@@ -384,8 +384,8 @@ def test_a_status_file_that_would_clash_with_a_mount_is_a_usage_error(
     out, err = capsys.readouterr()
     assert code == 2, out
     assert out == ""
-    assert f"--status-file {status_file!r}" in err and said in err
-    assert "fix: give a file in a directory of its own" in err
+    assert f"plugin manifest: Invalid value for '--status-file': {status_file!r}" in err and said in err
+    assert "; give a file in a directory of its own" in err  # the check's fix, then its help
 
 
 def test_the_status_file_is_normalised_and_its_volume_is_the_only_one_there(
