@@ -69,6 +69,15 @@ _FORBIDDEN = re.compile(r'User "(?P<user>[^"]*)" cannot (?P<verb>\S+) resource "
 # NodeRestriction's refusal (an admission plugin, not RBAC): a kubelet writing another node.
 _NODE_RESTRICTED = re.compile(r'node "(?P<own>[^"]*)" is not allowed to modify node "(?P<other>[^"]*)"')
 
+_NODE_REFUSED = re.compile(r"node ['\"](?P<own>[^'\"]+)['\"] is not allowed to")
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+DRA_GROUP = "resource.k8s.io"
+DRA_PATH = f"/apis/{DRA_GROUP}/v1"
+# A page of a list: a node's slices fit in one (a few, up to 128 devices each). The page bound keeps a server
+# that sends `continue` for ever from holding gpunode for ever.
+LIST_PAGE = 500
+MAX_LIST_PAGES = 20
+
 JsonPatch = list[dict[str, Any]]
 
 
@@ -121,6 +130,15 @@ class _Op:
     verb: str
     resource: str
     name: str
+    group: str = ""  # "" for the core API (nodes, events); "resource.k8s.io" for DRA's objects
+    namespace: str = ""
+
+    @property
+    def what(self) -> str:
+        """The object for messages: `resourceslice "n1-gpu"`, `resourceclaim "ns/claim"`."""
+        kind = self.resource.split("/")[0].removesuffix("es" if self.resource.endswith("sses") else "s")
+        name = f"{self.namespace}/{self.name}" if self.namespace else self.name
+        return f'{kind} "{name}"' if name else kind + "s"
 
 
 class _Retry(Exception):
@@ -269,7 +287,140 @@ class KubeClient:
 
         return self._read_modify_write(op, send)
 
+    # -- resource.k8s.io/v1: what a DRA driver does with the node's credentials ----------------------
+
+    def list_resource_slices(self, node: str, driver: str) -> list[dict[str, Any]]:
+        """The ResourceSlices of `node` published by `driver`, every page of them. The field selector on
+        spec.nodeName is what the Node authorizer requires of a kubelet's credentials for a list."""
+        query = _slice_selector(node, driver)
+        op = _Op("list", "resourceslices", "", DRA_GROUP)
+        items: list[dict[str, Any]] = []
+        token = ""
+        for _ in range(MAX_LIST_PAGES):
+            page = f"{query}&limit={LIST_PAGE}" + (f"&continue={quote(token, safe='')}" if token else "")
+            response = self._request("GET", f"{DRA_PATH}/resourceslices?{page}", op)
+            body = self._object(response, op, _slice_list_problem)
+            items.extend(body["items"])
+            token = str((body.get("metadata") or {}).get("continue") or "")
+            if not token:
+                return items
+        raise ApiError(
+            f'the server at {self.server} kept sending pages of ResourceSlices for node "{node}" after '
+            f"{MAX_LIST_PAGES * LIST_PAGE} of them: a node has a few",
+            f"check the server URL ({self.credentials.source}) and any proxy on the way",
+        )
+
+    def create_resource_slice(self, resource_slice: Mapping[str, Any]) -> dict[str, Any]:
+        """Create a ResourceSlice (metadata.name, or metadata.generateName for the server to complete);
+        the slice as stored."""
+        name = str((resource_slice.get("metadata") or {}).get("name") or "")
+        if name:
+            _check_name(name, "ResourceSlice")
+        op = _Op("create", "resourceslices", name, DRA_GROUP)
+        body = _dumps(_typed(resource_slice, "ResourceSlice"))
+        response = self._request("POST", f"{DRA_PATH}/resourceslices", op, "application/json", body)
+        return self._object(response, op, _slice_problem)
+
+    def update_resource_slice(self, resource_slice: Mapping[str, Any]) -> dict[str, Any]:
+        """Replace a ResourceSlice (PUT) with this one, which carries the metadata.resourceVersion it was
+        read with: a slice changed or deleted since is an ApiError (409 or 404), for the caller to list
+        again, never overwritten. The slice as stored."""
+        metadata = resource_slice.get("metadata") or {}
+        name = _check_name(str(metadata.get("name") or ""), "ResourceSlice")
+        if not metadata.get("resourceVersion"):
+            raise UsageError(f'resourceslice "{name}" has no metadata.resourceVersion to update it from')
+        op = _Op("update", "resourceslices", name, DRA_GROUP)
+        body = _dumps(_typed(resource_slice, "ResourceSlice"))
+        path = f"{DRA_PATH}/resourceslices/{quote(name, safe='')}"
+        return self._object(self._request("PUT", path, op, "application/json", body), op, _slice_problem)
+
+    def delete_resource_slice(self, name: str, uid: str | None = None) -> bool:
+        """Delete one ResourceSlice; with `uid`, only if it is still that object (a slice of the same name
+        made since by someone else stays). False when it was already gone."""
+        _check_name(name, "ResourceSlice")
+        op = _Op("delete", "resourceslices", name, DRA_GROUP)
+        options: dict[str, Any] = {"apiVersion": "v1", "kind": "DeleteOptions"}
+        if uid is not None:
+            options["preconditions"] = {"uid": uid}
+        path = f"{DRA_PATH}/resourceslices/{quote(name, safe='')}"
+        response = self._request("DELETE", path, op, "application/json", _dumps(options))
+        if response.status_code == 404 and _names_object(response, name):
+            return False
+        self._json(response, op)
+        return True
+
+    def delete_resource_slices(self, node: str, driver: str) -> list[dict[str, Any]]:
+        """Delete every ResourceSlice of `node` published by `driver` (deletecollection, with the field
+        selector a kubelet's credentials need); the slices deleted."""
+        op = _Op("deletecollection", "resourceslices", "", DRA_GROUP)
+        path = f"{DRA_PATH}/resourceslices?{_slice_selector(node, driver)}"
+        return list(self._object(self._request("DELETE", path, op), op, _slice_list_problem)["items"])
+
+    def get_resource_claim(self, namespace: str, name: str) -> dict[str, Any]:
+        """A ResourceClaim, its allocation included (a node may read those of its own pods)."""
+        _check_label(namespace, "namespace")
+        _check_name(name, "ResourceClaim")
+        op = _Op("get", "resourceclaims", name, DRA_GROUP, namespace)
+        path = f"{DRA_PATH}/namespaces/{quote(namespace, safe='')}/resourceclaims/{quote(name, safe='')}"
+        return self._object(self._request("GET", path, op), op, _claim_problem)
+
+    def apply_device_class(self, device_class: Mapping[str, Any]) -> tuple[dict[str, Any], bool]:
+        """Create the DeviceClass, or make the one there carry this spec (and these labels and
+        annotations; others it has are kept). Returns it as stored and whether anything was written.
+        Read-modify-write: an update carries the resourceVersion read, and a 409 reads it again."""
+        metadata = device_class.get("metadata") or {}
+        name = _check_name(str(metadata.get("name") or ""), "DeviceClass")
+        path = f"{DRA_PATH}/deviceclasses/{quote(name, safe='')}"
+        wanted = _typed(device_class, "DeviceClass")
+        attempts = max(1, self.retry.conflict_attempts)
+        for attempt in range(1, attempts + 1):
+            read = _Op("get", "deviceclasses", name, DRA_GROUP)
+            response = self._request("GET", path, read)
+            if response.status_code == 404 and _names_object(response, name):
+                op = _Op("create", "deviceclasses", name, DRA_GROUP)
+                response = self._request(
+                    "POST", f"{DRA_PATH}/deviceclasses", op, "application/json", _dumps(wanted)
+                )
+                if response.status_code != 409:  # 409 here: created by someone else since the read
+                    return self._object(response, op, _class_problem), True
+            else:
+                current = self._object(response, read, _class_problem)
+                merged = _class_update(current, wanted)
+                if merged is None:
+                    return current, False
+                op = _Op("update", "deviceclasses", name, DRA_GROUP)
+                response = self._request("PUT", path, op, "application/json", _dumps(merged))
+                if response.status_code != 409:
+                    return self._object(response, op, _class_problem), True
+            log.info(
+                "deviceclass %s changed while gpunode wrote it (409); reading it again (%d of %d)",
+                name,
+                attempt,
+                attempts,
+            )
+        raise ApiError(
+            f'deviceclass "{name}" kept changing while gpunode wrote it: all {attempts} attempts met a 409 '
+            "Conflict from the Kubernetes API",
+            "another controller is writing this DeviceClass; find it (`kubectl get deviceclass "
+            f"{name} -o yaml --show-managed-fields`) and run gpunode again",
+        )
+
     # -- internals --------------------------------------------------------------------------------
+
+    def _object(
+        self, response: Answer, op: _Op, problem: Callable[[Mapping[str, Any]], str | None]
+    ) -> dict[str, Any]:
+        """_json, and the answer's shape checked by `problem` (what it names, or None): a wrong one is an
+        ApiError (exit 9) here, never a crash in the code that reads it."""
+        body = self._json(response, op)
+        found = problem(body)
+        if found is not None:
+            raise ApiError(
+                f"the server at {_redact(response.url)} answered {found}, which no Kubernetes API server "
+                "sends: is it one (or a proxy that changes answers)?",
+                f"check the server URL ({self.credentials.source})",
+            )
+        return body
 
     def _read_modify_write(
         self, op: _Op, send: Callable[[dict[str, Any], str], Answer | None]
@@ -638,6 +789,8 @@ class KubeClient:
                 f"{source}): 401 Unauthorized",
                 "check that they belong to this cluster and have not expired or been revoked",
             )
+        if op.group and code in (403, 404, 409, 422):
+            return self._dra_status_error(response, op, status, message)
         if code == 403:
             return self._forbidden(op, message)
         if code == 404:
@@ -667,6 +820,97 @@ class KubeClient:
                 "the API server is overloaded or unhealthy; try again later",
             )
         return ApiError(f"the Kubernetes API at {url} answered {code} {response.reason}{said}")
+
+    def _dra_status_error(
+        self, response: Answer, op: _Op, status: Mapping[str, Any], message: str
+    ) -> ApiError:
+        """403, 404, 409 and 422 about a resource.k8s.io object, in its own words."""
+        code = response.status_code
+        what = op.what
+        if code == 403:
+            return self._dra_forbidden(op, message)
+        if code == 404:
+            if op.name and _names_object(response, op.name):
+                return ApiError(
+                    f"{what} does not exist in the cluster at {self.server}",
+                    "it was deleted meanwhile (kubelet deletes its node's ResourceSlices when it starts; a "
+                    "claim goes with its pod): read it again"
+                    if op.resource == "resourceslices"
+                    else f"check it with `kubectl get {op.resource.split('/')[0]}"
+                    + (f" -n {op.namespace}" if op.namespace else "")
+                    + f" {op.name}`",
+                )
+            return ApiError(
+                f"the Kubernetes API at {self.server} does not serve {op.group}/v1 {op.resource} (404 Not "
+                "Found): Dynamic Resource Allocation needs Kubernetes 1.34 or later",
+                "check `kubectl api-versions | grep resource.k8s.io` and the server URL "
+                f"({self.credentials.source})",
+            )
+        if code == 409:
+            if status.get("reason") == "AlreadyExists":
+                return ApiError(
+                    f"{what} already exists in the cluster at {self.server}",
+                    "another writer created it: read it and update it instead",
+                )
+            return ApiError(
+                f"the Kubernetes API refused to {op.verb} {what}: it changed since it was read "
+                f"({message or '409 Conflict'})",
+                "read it again and retry",
+            )
+        return ApiError(f"the Kubernetes API rejected {what} as invalid: {_causes(status, message)}")
+
+    def _dra_forbidden(self, op: _Op, message: str) -> ApiError:
+        """A 403 about a resource.k8s.io object: which credentials, and what they lack."""
+        found = _FORBIDDEN.search(message)
+        user, verb, resource = (
+            (found["user"], found["verb"], found["resource"]) if found else ("", op.verb, op.resource)
+        )
+        reason = (
+            message.split(" at the cluster scope: ", 1)[-1] if " at the cluster scope: " in message else ""
+        )
+        if not reason and '": ' in message.rsplit(" in the namespace ", 1)[-1]:
+            reason = message.rsplit('": ', 1)[-1]
+        who = f'user "{user}"' if user else "the credentials"
+        sentence = (
+            f"the Kubernetes API refused: {who} may not {verb} {resource}"
+            f" ({op.what}; credentials from {self.credentials.source})"
+            + (f": {reason}" if reason else (f": {message}" if not found and message else ""))
+        )
+        own = user.removeprefix("system:node:")
+        restricted = _NODE_REFUSED.search(message)
+        if restricted is not None:  # NodeRestriction: a node writing another node's slice
+            own, user = restricted["own"], f"system:node:{restricted['own']}"
+        if user == "system:anonymous":
+            return ApiError(
+                sentence, "the request carried no credentials the server accepts: pass --kubeconfig PATH"
+            )
+        if user and own != user:  # a kubelet's credentials: the Node authorizer decided
+            if op.resource == "resourceslices":
+                fix = (
+                    f'a node\'s credentials manage only ResourceSlices with spec.nodeName "{own}" (and list '
+                    f"or delete them only with the field selector spec.nodeName={own}): publish each node's "
+                    "slices on that node, or use an admin kubeconfig"
+                )
+            elif op.resource.startswith("resourceclaims"):
+                fix = (
+                    "a node's credentials read only claims of pods bound to it: check that the pod using "
+                    f'this claim is scheduled to node "{own}" '
+                    f"(`kubectl get pods -n {op.namespace or 'NS'} -o wide`)"
+                )
+            else:
+                fix = (
+                    "a node's credentials cannot read or write DeviceClasses: apply them with an admin "
+                    "kubeconfig (--kubeconfig PATH)"
+                )
+            return ApiError(sentence, fix)
+        account = user.removeprefix("system:serviceaccount:")
+        subject = f"--serviceaccount={account}" if account != user else f"--user={user or 'USER'}"
+        plain = resource.split("/")[0]
+        return ApiError(
+            sentence,
+            f"grant it: `kubectl create clusterrole gpunode-dra --verb={verb} --resource={plain}.{op.group}` "
+            f"and `kubectl create clusterrolebinding gpunode-dra --clusterrole=gpunode-dra {subject}`",
+        )
 
     def _forbidden(self, op: _Op, message: str) -> ApiError:
         restricted = _NODE_RESTRICTED.search(message)
@@ -754,6 +998,170 @@ def _cleanup(session: requests.Session, tempdir: str | None) -> None:
     session.close()
     if tempdir is not None:
         shutil.rmtree(tempdir, ignore_errors=True)
+
+
+def _check_name(name: str, kind: str) -> str:
+    """An object name as the API requires it (RFC 1123 subdomain): also keeps "..", "/" and "?" out of
+    the URL path."""
+    if not name or len(name) > 253 or not _NODE_NAME.match(name):
+        raise UsageError(f"{name!r} is not a valid {kind} name (lower-case letters, digits, '-' and '.')")
+    return name
+
+
+def _check_label(name: str, what: str) -> str:
+    if not name or len(name) > 63 or not _DNS_LABEL.match(name):
+        raise UsageError(f"{name!r} is not a valid {what} (lower-case letters, digits and '-', at most 63)")
+    return name
+
+
+def _slice_selector(node: str, driver: str) -> str:
+    _check_name(node, "node")
+    if len(driver) > 63:
+        raise UsageError(
+            f"{driver!r} is not a valid DRA driver name (a DNS subdomain of at most 63 characters)"
+        )
+    _check_name(driver, "DRA driver")
+    return "fieldSelector=" + quote(f"spec.nodeName={node},spec.driver={driver}", safe="")
+
+
+def _typed(obj: Mapping[str, Any], kind: str) -> dict[str, Any]:
+    """The object with its apiVersion and kind, as the server decodes a body."""
+    return {**copy.deepcopy(dict(obj)), "apiVersion": f"{DRA_GROUP}/v1", "kind": kind}
+
+
+def _names_object(response: Answer, name: str) -> bool:
+    """Whether a 404 is about that object (details.name), not about a path the server does not serve."""
+    details = _status_body(response).get("details")
+    return isinstance(details, dict) and details.get("name") == name
+
+
+def _class_update(current: Mapping[str, Any], wanted: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The DeviceClass to PUT so that `current` carries `wanted`'s spec, labels and annotations (others
+    kept); None when it already does."""
+    merged = copy.deepcopy(dict(current))
+    metadata = merged.setdefault("metadata", {})
+    wanted_metadata = wanted.get("metadata") or {}
+    for field in ("labels", "annotations"):
+        extra = wanted_metadata.get(field) or {}
+        if extra:
+            metadata[field] = {**(metadata.get(field) or {}), **extra}
+    merged["spec"] = copy.deepcopy(wanted.get("spec") or {})
+    merged["apiVersion"], merged["kind"] = f"{DRA_GROUP}/v1", "DeviceClass"
+    return (
+        None if merged == {**current, "apiVersion": merged["apiVersion"], "kind": "DeviceClass"} else merged
+    )
+
+
+def _metadata_problem(obj: Mapping[str, Any], kind: str) -> str | None:
+    metadata = obj.get("metadata")
+    if not isinstance(metadata, dict):
+        return f"a {kind} without a metadata object"
+    for field in ("name", "uid", "resourceVersion"):
+        if not isinstance(metadata.get(field), str) or not metadata[field]:
+            return f"a {kind} whose metadata.{field} is not a string"
+    if not isinstance(obj.get("spec"), dict):
+        return f"a {kind} whose spec is not an object"
+    return None
+
+
+def _slice_problem(obj: Mapping[str, Any]) -> str | None:
+    """What makes this no ResourceSlice a driver can read (the fields it compares); None if nothing."""
+    problem = _metadata_problem(obj, "ResourceSlice")
+    if problem is not None:
+        return problem
+    spec = obj["spec"]
+    if not isinstance(spec.get("driver"), str):
+        return "a ResourceSlice whose spec.driver is not a string"
+    pool = spec.get("pool")
+    if not isinstance(pool, dict) or not isinstance(pool.get("name"), str):
+        return "a ResourceSlice whose spec.pool.name is not a string"
+    for field in ("generation", "resourceSliceCount"):
+        value = pool.get(field)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            return f"a ResourceSlice whose spec.pool.{field} is not an integer"
+    devices = spec.get("devices")
+    if devices is not None and not (
+        isinstance(devices, list)
+        and all(isinstance(d, dict) and isinstance(d.get("name"), str) for d in devices)
+    ):
+        return "a ResourceSlice whose spec.devices is not a list of named devices"
+    return None
+
+
+def _slice_list_problem(body: Mapping[str, Any]) -> str | None:
+    items = body.get("items")
+    if not isinstance(items, list):
+        return "a ResourceSliceList whose items is not a list"
+    metadata = body.get("metadata")
+    if metadata is not None and not isinstance(metadata, dict):
+        return "a ResourceSliceList whose metadata is not an object"
+    if not isinstance((metadata or {}).get("continue", ""), str):
+        return "a ResourceSliceList whose metadata.continue is not a string"
+    for index, item in enumerate(items):
+        problem = _slice_problem(item) if isinstance(item, dict) else "a ResourceSlice that is not an object"
+        if problem is not None:
+            return f"items[{index}]: {problem}"
+    return None
+
+
+def _claim_problem(claim: Mapping[str, Any]) -> str | None:
+    """What makes this no ResourceClaim Prepare can read (metadata, the allocation's results and config,
+    reservedFor); None if nothing."""
+    problem = _metadata_problem(claim, "ResourceClaim")
+    if problem is not None:
+        return problem
+    claim_status = claim.get("status")
+    if claim_status is None:
+        return None
+    if not isinstance(claim_status, dict):
+        return "a ResourceClaim whose status is not an object"
+    reserved = claim_status.get("reservedFor")
+    if reserved is not None and not (
+        isinstance(reserved, list) and all(isinstance(r, dict) for r in reserved)
+    ):
+        return "a ResourceClaim whose status.reservedFor is not a list of objects"
+    allocation = claim_status.get("allocation")
+    if allocation is None:
+        return None
+    devices = allocation.get("devices") if isinstance(allocation, dict) else None
+    if not isinstance(devices, dict):
+        return "a ResourceClaim whose status.allocation.devices is not an object"
+    results = devices.get("results")
+    if results is not None:
+        if not isinstance(results, list):
+            return "a ResourceClaim whose status.allocation.devices.results is not a list"
+        for index, result in enumerate(results):
+            if not isinstance(result, dict) or not all(
+                isinstance(result.get(f), str) for f in ("request", "driver", "pool", "device")
+            ):
+                return (
+                    f"a ResourceClaim whose status.allocation.devices.results[{index}] lacks request, "
+                    "driver, pool or device strings"
+                )
+    config = devices.get("config")
+    if config is not None:
+        if not isinstance(config, list):
+            return "a ResourceClaim whose status.allocation.devices.config is not a list"
+        for index, entry in enumerate(config):
+            opaque = entry.get("opaque") if isinstance(entry, dict) else None
+            requests_ = entry.get("requests") if isinstance(entry, dict) else None
+            if (
+                not isinstance(entry, dict)
+                or (
+                    opaque is not None
+                    and not (isinstance(opaque, dict) and isinstance(opaque.get("driver"), str))
+                )
+                or (
+                    requests_ is not None
+                    and not (isinstance(requests_, list) and all(isinstance(r, str) for r in requests_))
+                )
+            ):
+                return f"a ResourceClaim whose status.allocation.devices.config[{index}] is malformed"
+    return None
+
+
+def _class_problem(device_class: Mapping[str, Any]) -> str | None:
+    return _metadata_problem(device_class, "DeviceClass")
 
 
 def _node_path(name: str) -> str:

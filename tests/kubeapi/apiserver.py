@@ -32,6 +32,8 @@
   huge body (Content-Length 1 GiB, or chunked without a length) and streams it until the client hangs
   up or `cap` bytes are sent; `raw_next(body)` answers with exactly these bytes. `streamed` counts the bytes
   those sent.
+- resource.k8s.io/v1 (ResourceSlices, ResourceClaims, DeviceClasses, the Node authorizer's DRA rules):
+  tests/kubeapi/dra.py, reached as `server.dra`.
 - `requests` logs each request (method, path, content type, user, status; never a token).
 
 Runs on 127.0.0.1, port 0, in a daemon thread; use it as a context manager.
@@ -188,6 +190,10 @@ class ApiServer:
             context.verify_mode = ssl.CERT_OPTIONAL  # client certificates are one way to log in, not the only
             self._context = context
         self._httpd = _HTTPServer(("127.0.0.1", 0), _handler_for(self), self._context)
+        # Imported here: tests.kubeapi.dra builds on this module's helpers.
+        from tests.kubeapi.dra import DraStore
+
+        self.dra = DraStore(self)  # resource.k8s.io/v1: ResourceSlices, ResourceClaims, DeviceClasses
         self._thread: threading.Thread | None = None
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -379,8 +385,12 @@ class ApiServer:
 
     # -- handling ---------------------------------------------------------------------------------
 
+    def revision(self) -> int:
+        """The next resourceVersion, shared by every kind of object as etcd's revision is."""
+        return next(self._revision)
+
     def _store(self, name: str, node: dict[str, Any]) -> str:
-        revision = str(next(self._revision))
+        revision = str(self.revision())
         node["metadata"]["resourceVersion"] = revision
         self._nodes[name] = node
         return revision
@@ -404,7 +414,11 @@ class ApiServer:
         else:
             try:
                 user = authenticated = self._authenticate(headers, peer_cert)
-                answer = self._route(method, urlsplit(raw_path).path, headers, body, authenticated)
+                parts = urlsplit(raw_path)
+                if parts.path.startswith("/apis/resource.k8s.io/"):
+                    answer = self.dra.route(method, parts.path, parts.query, headers, body, authenticated[0])
+                else:
+                    answer = self._route(method, parts.path, headers, body, authenticated)
             except _Answer as raised:
                 answer = raised
         try:
