@@ -108,8 +108,8 @@ def bench_grpc(allocates: int, scrapes: int) -> None:
 
 
 def bench_handler(allocates: int) -> None:
+    from gpunode.plugin.healthreport import HealthTracker
     from gpunode.plugin.metrics import InstrumentedService, PluginMetrics
-    from gpunode.plugin.observe import HealthTracker
 
     plain, ids = _service("pcie-4")
     metrics = PluginMetrics(HealthTracker())
@@ -150,8 +150,8 @@ def bench_handler(allocates: int) -> None:
 
 
 def bench_exposition(scrapes: int) -> None:
+    from gpunode.plugin.healthreport import HealthTracker
     from gpunode.plugin.metrics import PluginMetrics
-    from gpunode.plugin.observe import HealthTracker
 
     rows = []
     for label, (service, _) in (

@@ -19,7 +19,9 @@ from gpunode.cdi import spec as cdispec
 from gpunode.cdi.generate import Generated, GenerateOptions, generate, spec_driver_version
 from gpunode.cdi.hostfacts import REMAKE_NODE, char_device, node_problem, proc_devices
 from gpunode.cdi.registry import list_devices, read_specs
+from gpunode.doctor.context import RUNTIMES, program_version
 from gpunode.doctor.model import Finding, Status
+from gpunode.doctor.runtime import read_runtime_state
 from gpunode.errors import GpunodeError, NvmlError
 from gpunode.host import Host
 from gpunode.nvml.model import Inventory
@@ -301,8 +303,6 @@ def _conflicts(host: Host, options: GenerateOptions) -> Iterator[Finding]:
 def check_runtimes_cdi(host: Host) -> Iterator[Finding]:
     """Each installed runtime applies CDI: containerd 2.x and CRI-O have it on by default, containerd 1.7
     needs enable_cdi, docker features.cdi."""
-    from gpunode.doctor.checks import RUNTIMES, program_version, read_runtime_state
-
     for name, binary, _unit in RUNTIMES:
         if host.which(binary) is None:
             continue

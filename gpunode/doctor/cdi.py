@@ -17,7 +17,7 @@ from gpunode.doctor.model import Finding, Status
 from gpunode.errors import GpunodeError
 
 if TYPE_CHECKING:
-    from gpunode.doctor.checks import Context
+    from gpunode.doctor.context import Context
 
 
 def _plugin_cdi(ctx: Context) -> tuple[bool, GenerateOptions]:

@@ -32,7 +32,7 @@ from gpunode.host import Host
 from gpunode.kube.client import KubeClient, RetryPolicy, Timeouts
 from gpunode.kube.condition import CONDITION, condition_ops, now_rfc3339
 from gpunode.kube.credentials import KUBELET_KUBECONFIG
-from gpunode.plugin.observe import DeviceRecord, HealthReporter, Transition
+from gpunode.plugin.healthreport import DeviceRecord, HealthReporter, Transition
 
 if TYPE_CHECKING:
     from gpunode.plugin.config import PluginConfig

@@ -20,7 +20,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -38,6 +38,7 @@ from gpunode.plugin.health import HealthMonitor
 from gpunode.plugin.logsafe import shown
 from gpunode.plugin.migwatch import MigWatcher
 from gpunode.plugin.observe import PluginObserver, start_observer
+from gpunode.plugin.pluginstatus import PluginStatus, ResourceStatus, UnmonitoredGpu
 from gpunode.plugin.preferred import Topology
 from gpunode.plugin.server import ResourceServer, ServeSettings, device_message
 from gpunode.plugin.statusfile import in_socket_dir, socket_dir_error
@@ -116,52 +117,6 @@ def _sharing(config: PluginConfig) -> Sharing:
 
 class ServeFailed(GpunodeError):
     """A resource's socket could not be served (permissions, a bad socket directory)."""
-
-
-@dataclass
-class ResourceStatus:
-    name: str
-    socket: str
-    devices: int
-    healthy: int
-    registered: bool = False
-    refused: str | None = None  # kubelet's reason, when it refused the registration
-    unmonitored: int = 0  # devices on GPUs the health monitor cannot watch (healthy all the same)
-    sharing: str = "none"  # none, time-slicing or mps
-    down: str | None = None  # why every device is unhealthy (its MPS control daemon is not answering)
-
-
-@dataclass(frozen=True)
-class UnmonitoredGpu:
-    index: int
-    uuid: str
-    reason: str
-
-
-@dataclass
-class PluginStatus:
-    """What `gpunode plugin status` and sd_notify report; rebuilt after every event."""
-
-    resources: list[ResourceStatus] = field(default_factory=list)
-    waiting_for: str | None = None  # "kubelet", "NVML", "GPUs", "the device-plugins directory"
-    nvml_error: str | None = None
-    unmonitored: list[UnmonitoredGpu] = field(default_factory=list)
-
-    @property
-    def ready(self) -> bool:
-        return bool(self.resources) and all(r.registered for r in self.resources)
-
-    def summary(self) -> str:
-        if self.waiting_for:
-            return f"waiting for {self.waiting_for}"
-        parts = [
-            f"{r.name}: {r.healthy}/{r.devices} healthy, "
-            + (f"all unhealthy: {r.down}, " if r.down else "")
-            + (f"{r.unmonitored} unmonitored, " if r.unmonitored else "")
-            + ("registered" if r.registered else f"refused ({r.refused})" if r.refused else "registering")
-            for r in self.resources
-        ]
-        return "; ".join(parts) or "no devices"
 
 
 @dataclass

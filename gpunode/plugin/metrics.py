@@ -46,7 +46,7 @@ from prometheus_client.registry import Collector
 from gpunode.errors import ConfigError
 from gpunode.plugin.api import deviceplugin_pb2 as pb
 from gpunode.plugin.devices import DeviceRegistry
-from gpunode.plugin.observe import HealthReporter, HealthTracker, MetricsSink
+from gpunode.plugin.healthreport import HealthReporter, HealthTracker, MetricsSink
 from gpunode.plugin.preferred import Topology
 from gpunode.plugin.server import DevicePluginService, ServeSettings
 

@@ -2,7 +2,7 @@
 
 `plugin run --config FILE` takes either gpunode's TOML or this file (YAML or JSON, `version: v1`); which one
 is decided by content (config.read_config_file: what is not TOML is tried as NVIDIA's). Each NVIDIA key is
-translated into an option of gpunode's table (config.OPTIONS), so flags and the environment still win over
+translated into an option of gpunode's table (options.OPTIONS), so flags and the environment still win over
 the file, as they do over NVIDIA's file in its own plugin.
 
 Where gpunode differs from NVIDIA's reader, on purpose:
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpunode.errors import ConfigError
+from gpunode.plugin.options import BY_NAME
 
 VERSION = "v1"
 
@@ -166,7 +167,6 @@ def is_nvidia_config(text: str, path: str = "the file") -> bool:
 
 def read_options(text: str, path: str) -> dict[str, tuple[Any, str]]:
     """The options the file sets, by option name, with their origin (as config.read_config_file returns)."""
-    from gpunode.plugin.config import BY_NAME
 
     found: dict[str, tuple[Any, str]] = {}
     for setting in translate(text, path):

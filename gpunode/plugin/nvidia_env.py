@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from gpunode.errors import ConfigError
+from gpunode.plugin.options import BY_NAME
 
 # NVIDIA's environment variables (its command line's EnvVars) -> the key of its file each stands for: a
 # value is checked and translated as that key's. CONFIG_FILE is read by config.load_config;
@@ -66,7 +67,6 @@ def environment_options(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
     prefix = env.get("RESOURCE_NAME_PREFIX")
     if not prefix and not any(env.get(name) for name in ENVIRONMENT):
         return {}  # the usual case: the file's reader (nvidia_config) is not even imported
-    from gpunode.plugin.config import BY_NAME
     from gpunode.plugin.nvidia_config import key_setting
 
     found: dict[str, tuple[Any, str]] = {}

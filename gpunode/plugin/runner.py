@@ -23,7 +23,7 @@ from gpunode.plugin import statusfile
 from gpunode.plugin.config import PluginConfig, load_config
 
 if TYPE_CHECKING:
-    from gpunode.plugin.lifecycle import PluginStatus
+    from gpunode.plugin.pluginstatus import PluginStatus
     from gpunode.systemd.notify import Notifier
 
 

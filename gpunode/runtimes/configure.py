@@ -23,7 +23,8 @@ from gpunode.host import Host
 from gpunode.kubelet import kubelet_runtime
 from gpunode.runtimes import containerd as ctd
 from gpunode.runtimes import docker_editor, reader, records, service
-from gpunode.runtimes.containerd_editor import SOCKETS, plan_containerd, unit_for
+from gpunode.runtimes.containerd_editor import plan_containerd
+from gpunode.runtimes.containerd_units import SOCKETS, unit_for
 from gpunode.runtimes.crio_editor import plan_crio
 from gpunode.runtimes.docker_editor import plan_docker
 from gpunode.runtimes.edits import Format, JsonFormat, TomlFormat, check_rendered, undo_edits

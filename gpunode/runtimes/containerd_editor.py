@@ -15,24 +15,13 @@ from typing import Any
 from gpunode.errors import ConfigError, NotFound, UsageError
 from gpunode.host import Host
 from gpunode.runtimes import containerd as ctd
+from gpunode.runtimes import k3s
+from gpunode.runtimes.containerd_units import SOCKETS, unit_for
 from gpunode.runtimes.edits import ABSENT, Editor, TomlFormat, lookup, new_toml_document
 from gpunode.runtimes.plan import ConfigureOptions, FileChange, RuntimePlan
 from gpunode.runtimes.tomlread import plain
 
 RUNC_V2 = ctd.RUNC_V2
-UNITS = {
-    "containerd": ("containerd.service",),
-    "k3s": ("k3s.service", "k3s-agent.service"),
-    "rke2": ("rke2-server.service", "rke2-agent.service"),
-    "microk8s": ("snap.microk8s.daemon-containerd.service",),
-}
-UNIT_DIRS = ("/etc/systemd/system", "/usr/lib/systemd/system", "/lib/systemd/system")
-SOCKETS = {
-    "containerd": "/run/containerd/containerd.sock",
-    "k3s": "/run/k3s/containerd/containerd.sock",
-    "rke2": "/run/k3s/containerd/containerd.sock",
-    "microk8s": "/var/snap/microk8s/common/run/containerd.sock",
-}
 DROPIN_HEADER = (
     "Written by `gpunode configure-runtime containerd --drop-in`: the NVIDIA runtime.\n"
     "containerd before 2.1 replaces the whole CRI plugin table from an imported file, so this file carries\n"
@@ -51,8 +40,6 @@ def plan_containerd(host: Host, opts: ConfigureOptions) -> RuntimePlan:
         location = ctd.detect_location(host)
         flavour = location.flavour
         if flavour in ("k3s", "rke2"):
-            from gpunode.runtimes import k3s  # it imports this module
-
             k3s_plan = k3s.plan_k3s(host, location, opts)
             if k3s_plan is not None:
                 return k3s_plan  # None: the user's own plain-TOML template, edited below like any file
@@ -124,15 +111,6 @@ def plan_containerd(host: Host, opts: ConfigureOptions) -> RuntimePlan:
         standard_location=opts.config is None,
         expect=(opts.runtime_name, opts.set_as_default),
     )
-
-
-def unit_for(host: Host, flavour: str) -> str:
-    """The unit that runs this containerd: a k3s/RKE2 agent has its own unit name, found by its file."""
-    candidates = UNITS[flavour]
-    for unit in candidates:
-        if any(host.is_file(f"{directory}/{unit}") for directory in UNIT_DIRS):
-            return unit
-    return candidates[0]
 
 
 def _target(host: Host, location: ctd.ConfigLocation, messages: list[str]) -> tuple[str, str | None]:

@@ -33,7 +33,7 @@ from gpunode.errors import ConfigError, NotFound
 from gpunode.host import Host
 from gpunode.runtimes import containerd as ctd
 from gpunode.runtimes import probe, records
-from gpunode.runtimes.containerd_editor import SOCKETS, unit_for
+from gpunode.runtimes.containerd_units import SOCKETS, unit_for
 from gpunode.runtimes.edits import Edit, Editor, TomlFormat, new_toml_document
 from gpunode.runtimes.plan import ConfigureOptions, FileChange, RuntimePlan
 

@@ -21,7 +21,7 @@ from gpunode.errors import GpunodeError
 from gpunode.host import Host
 from gpunode.runtimes import containerd as ctd
 from gpunode.runtimes import crio, docker, docker_editor
-from gpunode.runtimes.containerd_editor import SOCKETS, UNIT_DIRS, UNITS
+from gpunode.runtimes.containerd_units import SOCKETS, UNIT_DIRS, UNITS, unit_for
 
 # The directory of each distribution that embeds containerd: its files are that distribution's alone.
 _FLAVOUR_DIRS = (
@@ -73,8 +73,6 @@ def _containerd(host: Host, paths: list[str], named: str) -> tuple[Reader | None
                 )
             return Reader(unit, SOCKETS[flavour], flavour), None
     if any(p in _read_by_containerd(host) or _imported(host, p) for p in paths):
-        from gpunode.runtimes.containerd_editor import unit_for
-
         return Reader(unit_for(host, "containerd"), SOCKETS["containerd"], "containerd"), None
     return None, (
         f"containerd.service does not read {named} (containerd reads {ctd.DEFAULT_CONFIG} and the files "

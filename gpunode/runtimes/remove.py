@@ -88,7 +88,7 @@ def _docker(host: Host, opts: ConfigureOptions) -> tuple[list[FileChange], list[
 
 
 def _containerd(host: Host, opts: ConfigureOptions) -> tuple[list[FileChange], list[str], RuntimePlan]:
-    from gpunode.runtimes.containerd_editor import SOCKETS, unit_for
+    from gpunode.runtimes.containerd_units import SOCKETS, unit_for
 
     installed = ctd.installed_containerd_version(host)
     location = ctd.detect_location(host)

@@ -3,7 +3,7 @@
 tomlkit keeps a file's formatting for editing and costs for it: ~25 ms to parse containerd's 240-line
 default configuration, where tomllib takes ~2 ms, and ~15 ms to import. doctor, status and the plugin's
 config reader only read, so tomlkit is imported only when tomllib refuses a file: its error names the line
-and column the way gpunode's editors do (gpunode.runtimes.edits.parse_toml_document), and a file only
+and column the way gpunode's editors do (gpunode.runtimes.tomldoc.parse_toml_document), and a file only
 tomlkit accepts is read as tomlkit reads it, as before.
 """
 
@@ -25,7 +25,7 @@ def read_toml(text: str, path: str) -> dict[str, Any]:
         parsed: dict[str, Any] = tomllib.loads(text)
         return parsed
     except tomllib.TOMLDecodeError:
-        from gpunode.runtimes.edits import parse_toml_document
+        from gpunode.runtimes.tomldoc import parse_toml_document
 
         # Raises ConfigError for what tomlkit refuses too (the usual case) ...
         data: dict[str, Any] = parse_toml_document(text, path).unwrap()

@@ -18,7 +18,8 @@ from gpunode.errors import DriverNotLoaded
 from gpunode.host import Host
 from gpunode.nvml.model import Inventory
 from gpunode.plugin.config import PluginConfig, load_config
-from gpunode.plugin.lifecycle import Plugin, PluginStatus
+from gpunode.plugin.lifecycle import Plugin
+from gpunode.plugin.pluginstatus import PluginStatus
 from gpunode.plugin.simulate import simulated_inventory
 from tests.integration.kubelet import HEALTHY, FakeKubelet
 from tests.integration.pluginproc import short_tempdir

@@ -15,8 +15,8 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.parser import text_string_to_metric_families
 
+from gpunode.plugin.healthreport import HealthTracker
 from gpunode.plugin.metrics import MAX_CONNECTIONS, WORKERS, MetricsServer, PluginMetrics
-from gpunode.plugin.observe import HealthTracker
 
 SAFETY = 60.0  # only against a hang: nothing here is expected to take more than a fraction of it
 

@@ -22,8 +22,9 @@ from gpunode.kube.events import NodeReporter
 from gpunode.nvml.model import Gpu, Inventory
 from gpunode.plugin.config import load_config
 from gpunode.plugin.devices import DeviceRegistry, Sharing, Unit, build_resources
+from gpunode.plugin.healthreport import DeviceRecord, HealthReporter, HealthTracker, Transition
 from gpunode.plugin.metrics import PluginMetrics
-from gpunode.plugin.observe import DeferredReporter, DeviceRecord, HealthReporter, HealthTracker, Transition
+from gpunode.plugin.observe import DeferredReporter
 from tests.kubeapi.apiserver import ApiServer
 from tests.kubeapi.pki import Pki
 
