@@ -13,6 +13,8 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+from gpunode.errors import ConfigError
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - the backport, on Python 3.10 only
@@ -24,7 +26,10 @@ def read_toml(text: str, path: str) -> dict[str, Any]:
     try:
         parsed: dict[str, Any] = tomllib.loads(text)
         return parsed
-    except tomllib.TOMLDecodeError:
+    except RecursionError:
+        # arrays or inline tables nested thousands deep: no runtime reads that either
+        raise ConfigError(f"{path} is not valid TOML: nested too deeply", f"correct {path}") from None
+    except ValueError:  # TOMLDecodeError, and int()'s refusal of a 4,301-digit integer
         from gpunode.runtimes.tomldoc import parse_toml_document
 
         # Raises ConfigError for what tomlkit refuses too (the usual case) ...
