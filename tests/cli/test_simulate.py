@@ -1,0 +1,133 @@
+"""`--simulate NAME` beyond `plugin run`: doctor, `cdi generate --dry-run` and `up --dry-run` read a built-in
+simulated node (gpunode/plugin/simulate.py) instead of NVML, on a host without a GPU, and write nothing.
+
+The host is a node's files under a temp root (tests/conftest.py) with every trace of a driver removed, and
+NVML's discovery is replaced by one that fails the test: a simulated run must never ask NVML."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+
+from gpunode import schemas
+from gpunode.cli.main import main
+from gpunode.errors import ExitCode
+from tests.conftest import Node
+
+TAG = "(simulated: dgx-a100)"
+
+
+@pytest.fixture
+def gpu_less(node: Node, monkeypatch: pytest.MonkeyPatch) -> Node:
+    """The healthy node's files without a driver, a device node or a GPU; NVML must not be asked."""
+    for path in ("/sys/module/nvidia", "/proc/driver/nvidia", "/dev/nvidiactl", "/dev/nvidia-uvm"):
+        node.remove(path)
+    for i in range(8):
+        node.remove(f"/dev/nvidia{i}")
+
+    def no_nvml(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a simulated run asked NVML")
+
+    monkeypatch.setattr("gpunode.nvml.discovery.discover", no_nvml)
+    monkeypatch.setattr("gpunode.nvml.discover", no_nvml)
+    return node
+
+
+def files_under(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def doctor_json(node: Node, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict[str, Any]]:
+    code = main(["doctor", "--json", *args], host=node.host())
+    doc = json.loads(capsys.readouterr().out)
+    jsonschema.validate(doc, schemas.load("doctor"))
+    return code, doc
+
+
+def by_id(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["id"]: c for c in report["checks"]}
+
+
+# -- doctor -------------------------------------------------------------------------------------------------
+
+
+def test_doctor_reads_the_simulated_gpus_and_the_hosts_own_runtime(
+    gpu_less: Node, capsys: pytest.CaptureFixture[str]
+) -> None:
+    before = files_under(gpu_less.root)
+    code, report = doctor_json(gpu_less, capsys, "--simulate", "dgx-a100")
+    checks = by_id(report)
+    assert report["simulated"] == "dgx-a100"
+    assert checks["driver.module"]["status"] == "ok"
+    assert checks["driver.module"]["summary"] == f"nvidia kernel module loaded (version 550.54.15) {TAG}"
+    assert checks["nvml.init"]["summary"] == f"NVML initialised: driver 550.54.15, CUDA 12.4 {TAG}"
+    assert checks["gpu.count"]["summary"] == f"8 GPUs found {TAG}"
+    assert checks["gpu.7"]["summary"] == f"GPU 7: NVIDIA A100-SXM4-80GB, 80 GiB, MIG off {TAG}"
+    # The simulated node's /dev/nvidia* are not on this host: not looked for, and named as a real node's.
+    assert checks["devices.nodes"]["status"] == "skip" and checks["devices.nodes"]["summary"].endswith(TAG)
+    assert "/dev/nvidia7" in checks["devices.nodes"]["detail"]
+    simulated = {c["id"] for c in report["checks"] if TAG in c["summary"]}
+    nvml = {"driver.module", "nvml.init", "devices.nodes", "gpu.count", "gpu.persistence"}
+    # node.capacity: the real node's advertised GPUs are not compared with simulated ones (skipped, said why).
+    assert simulated == nvml | {f"gpu.{i}" for i in range(8)} | {"node.capacity"}
+    # The host's own checks read the host as they are: its containerd, kubelet and plugin.
+    assert checks["runtime.containerd"]["status"] == "ok"
+    assert checks["kubelet"]["status"] == "ok" and checks["plugin"]["status"] == "ok"
+    assert code == ExitCode.OK and report["healthy"] is True
+    assert files_under(gpu_less.root) == before
+
+
+def test_doctor_simulated_node_without_a_driver(gpu_less: Node, capsys: pytest.CaptureFixture[str]) -> None:
+    code, report = doctor_json(gpu_less, capsys, "--simulate", "no-driver")
+    checks = by_id(report)
+    assert code == ExitCode.UNHEALTHY
+    assert checks["driver.module"]["status"] == "fail"
+    assert checks["driver.module"]["summary"].endswith("(simulated: no-driver)")
+    assert checks["nvml.init"]["status"] == "fail" and "Driver Not Loaded" in checks["nvml.init"]["detail"]
+    assert checks["devices.nodes"]["status"] == "skip"
+
+
+def test_doctor_real_run_says_nothing_is_simulated(
+    node: Node, fake_nvml: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake_nvml("pcie-4")
+    _, report = doctor_json(node, capsys)
+    assert report["simulated"] is None
+    assert not any("simulated" in c["summary"] for c in report["checks"])
+
+
+def test_doctor_does_not_compare_real_capacity_or_cdi_spec_with_simulated_gpus(
+    gpu_less: Node, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A kubeconfig would send doctor to the API server; with simulated GPUs it must not even look.
+    def no_api(*args: object, **kwargs: object) -> None:
+        raise AssertionError("doctor --simulate read the node's capacity")
+
+    monkeypatch.setattr("gpunode.kube.credentials.resolve_credentials", no_api)
+    gpu_less.file("/var/run/cdi/gpunode-nvidia.com-gpu.yaml", "cdiVersion: 0.5.0\n")
+    _, report = doctor_json(gpu_less, capsys, "--simulate", "dgx-a100")
+    checks = by_id(report)
+    assert checks["node.capacity"]["status"] == "skip" and checks["node.capacity"]["summary"].endswith(TAG)
+    assert checks["cdi"]["status"] == "skip" and checks["cdi"]["summary"].endswith(TAG)
+    assert "gpunode cdi generate --simulate dgx-a100 --dry-run" in checks["cdi"]["detail"]
+
+
+def test_doctor_unknown_name_is_a_usage_error(gpu_less: Node, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["doctor", "--simulate", "dgx-z"], host=gpu_less.host())
+    err = capsys.readouterr().err
+    assert code == ExitCode.USAGE
+    assert "unknown simulation profile 'dgx-z'" in err and "dgx-a100" in err and "fix:" in err
+
+
+def test_doctor_simulated_findings_are_never_published_as_metrics(
+    gpu_less: Node, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    prom = tmp_path / "gpunode_doctor.prom"
+    code = main(["doctor", "--simulate", "dgx-a100", "--prometheus", str(prom)], host=gpu_less.host())
+    err = capsys.readouterr().err
+    assert code == ExitCode.USAGE and "drop --prometheus" in err
+    assert not prom.exists()
