@@ -14,9 +14,16 @@ import jsonschema
 import pytest
 
 from gpunode import schemas
+from gpunode.cdi import spec as cdispec
+from gpunode.cdi.generate import GenerateOptions, generate
 from gpunode.cli.main import main
 from gpunode.errors import ExitCode
+from gpunode.host import Host, ScriptedRunner
+from gpunode.nvml.discovery import discover
+from tests import cdinode
 from tests.conftest import Node
+
+CDI_SCHEMA = json.loads((Path(__file__).parent.parent / "fixtures/cdi/schema.json").read_text())
 
 TAG = "(simulated: dgx-a100)"
 
@@ -131,3 +138,86 @@ def test_doctor_simulated_findings_are_never_published_as_metrics(
     err = capsys.readouterr().err
     assert code == ExitCode.USAGE and "drop --prometheus" in err
     assert not prom.exists()
+
+
+# -- cdi generate -------------------------------------------------------------------------------------------
+
+
+def test_cdi_generate_simulated_spec_is_printed_never_written(
+    gpu_less: Node, capsys: pytest.CaptureFixture[str]
+) -> None:
+    before = files_under(gpu_less.root)
+    code = main(["cdi", "generate", "--simulate", "mig", "--dry-run", "--json"], host=gpu_less.host())
+    doc = json.loads(capsys.readouterr().out)
+    assert code == ExitCode.OK
+    jsonschema.validate(doc, schemas.load("cdi-generate"))
+    jsonschema.validate(doc["spec"], CDI_SCHEMA)
+    assert cdispec.structure_problems(doc["spec"]) == []
+    assert doc["simulated"] == "mig" and doc["changed"] is False and doc["dry_run"] is True
+    assert (doc["gpus"], doc["mig_devices"], doc["driver_version"]) == (2, 3, "550.54.15")
+    devices = {d["name"]: d["containerEdits"]["deviceNodes"] for d in doc["spec"]["devices"]}
+    assert set(devices) == {"0", "1", "0:0", "0:1", "0:2", "all"} | {
+        n for n in devices if n.startswith(("GPU-", "MIG-"))
+    }
+    # A real node's numbers: GPU 0 is 195:0; its MIG slot 0 (GPU instance 7, compute instance 0) gets the
+    # nvidia-caps minors the driver gives gpu0/gi7/access and gpu0/gi7/ci0/access (3 + 7 * 9, then + 1).
+    assert [(n["path"], n["major"], n["minor"]) for n in devices["0:0"]] == [
+        ("/dev/nvidia0", 195, 0),
+        ("/dev/nvidia-caps/nvidia-cap66", 511, 66),
+        ("/dev/nvidia-caps/nvidia-cap67", 511, 67),
+    ]
+    mounts = [m["containerPath"] for m in doc["spec"]["containerEdits"]["mounts"]]
+    assert any(m.endswith("/libcuda.so.550.54.15") for m in mounts)
+    assert any(m.endswith("/libnvidia-ml.so.550.54.15") for m in mounts)
+    # None of it is on this host, and nothing was looked for or written.
+    assert not (gpu_less.root / "dev/nvidia0").exists()
+    assert files_under(gpu_less.root) == before
+
+
+def test_cdi_generate_simulated_header_says_so(gpu_less: Node, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["cdi", "generate", "--simulate", "dgx-a100", "--dry-run"], host=gpu_less.host())
+    out = capsys.readouterr().out
+    assert code == ExitCode.OK
+    header = [line for line in out.splitlines() if line.startswith("#")]
+    assert "`gpunode cdi generate --simulate dgx-a100`" in header[0] and "8 GPUs" in header[0]
+    assert "a real node of this shape has, none checked here" in "\n".join(header)
+    spec = cdispec.parse(out, "stdout")
+    assert [d["name"] for d in spec["devices"]][:2] == ["0", spec["devices"][1]["name"]]
+    assert len(spec["devices"]) == 8 * 2 + 1
+
+
+def test_cdi_generate_simulated_matches_the_real_spec_of_the_same_node(
+    tmp_path: Path, fake_nvml: Any, gpu_less: Node, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The same machine through the fake NVML library on a node with its driver's files: the same device
+    # names and GPU nodes (the simulated inventory is discovery's, tests/unit/test_plugin_simulate.py).
+    fake_nvml("dgx-a100")
+    real_root = tmp_path / "real"
+    cdinode.make_driver(real_root, "550.54.15", gpus=range(8))
+    real = generate(
+        Host(root=real_root, runner=ScriptedRunner(), env={"PATH": "/usr/bin"}),
+        discover(Host(root=real_root)),
+        GenerateOptions(),
+    )
+    code = main(["cdi", "generate", "--simulate", "dgx-a100", "--dry-run", "--json"], host=gpu_less.host())
+    simulated = json.loads(capsys.readouterr().out)["spec"]
+    assert code == ExitCode.OK
+    assert [d["name"] for d in simulated["devices"]] == real.device_names
+
+    def gpu_nodes(spec: dict[str, Any]) -> list[tuple[str, int]]:
+        return [(n["path"], n["minor"]) for d in spec["devices"] for n in d["containerEdits"]["deviceNodes"]]
+
+    assert gpu_nodes(simulated) == gpu_nodes(real.spec)
+
+
+def test_cdi_generate_simulate_without_dry_run_is_refused(
+    gpu_less: Node, capsys: pytest.CaptureFixture[str]
+) -> None:
+    before = files_under(gpu_less.root)
+    code = main(["cdi", "generate", "--simulate", "dgx-a100"], host=gpu_less.host())
+    err = capsys.readouterr().err
+    assert code == ExitCode.USAGE
+    assert "never written" in err and "fix: add --dry-run" in err
+    assert files_under(gpu_less.root) == before
+    code = main(["cdi", "generate", "--simulate", "dgx-z", "--dry-run"], host=gpu_less.host())
+    assert code == ExitCode.USAGE and "unknown simulation profile 'dgx-z'" in capsys.readouterr().err
