@@ -221,3 +221,32 @@ def test_cdi_generate_simulate_without_dry_run_is_refused(
     assert files_under(gpu_less.root) == before
     code = main(["cdi", "generate", "--simulate", "dgx-z", "--dry-run"], host=gpu_less.host())
     assert code == ExitCode.USAGE and "unknown simulation profile 'dgx-z'" in capsys.readouterr().err
+
+
+# -- up --dry-run -------------------------------------------------------------------------------------------
+
+
+def test_up_dry_run_plans_for_the_simulated_node(gpu_less: Node, capsys: pytest.CaptureFixture[str]) -> None:
+    gpu_less.file("/var/lib/dpkg/status")  # apt's database, so the toolkit step can be planned
+    before = files_under(gpu_less.root)
+    argv = ["up", "--simulate", "dgx-a100", "--dry-run", "--cdi", "--no-labels", "--json"]
+    code = main(argv, host=gpu_less.host())
+    doc = json.loads(capsys.readouterr().out)
+    jsonschema.validate(doc, schemas.load("up"))
+    steps = {s["name"]: s for s in doc["steps"]}
+    # Preflight passes on the simulated driver and GPUs (this host has neither) and the host's kubelet.
+    assert steps["preflight"]["status"] == "done", steps["preflight"]
+    assert "simulated: dgx-a100" in steps["preflight"]["summary"]
+    # The CDI step plans the simulated node's spec: its 8 GPUs, no device node looked for on this host.
+    assert steps["cdi"]["status"] == "to do"
+    assert "write /var/run/cdi/gpunode-nvidia.com-gpu.yaml (17 devices)" in steps["cdi"]["details"]
+    assert code == ExitCode.OK and doc["changed"] is False and doc["dry_run"] is True
+    assert files_under(gpu_less.root) == before
+
+
+def test_up_simulate_needs_dry_run(gpu_less: Node, capsys: pytest.CaptureFixture[str]) -> None:
+    before = files_under(gpu_less.root)
+    code = main(["up", "--simulate", "dgx-a100", "--yes"], host=gpu_less.host())
+    err = capsys.readouterr().err
+    assert code == ExitCode.USAGE and "fix: add --dry-run" in err
+    assert files_under(gpu_less.root) == before
