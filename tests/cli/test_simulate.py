@@ -7,6 +7,7 @@ NVML's discovery is replaced by one that fails the test: a simulated run must ne
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -250,3 +251,52 @@ def test_up_simulate_needs_dry_run(gpu_less: Node, capsys: pytest.CaptureFixture
     err = capsys.readouterr().err
     assert code == ExitCode.USAGE and "fix: add --dry-run" in err
     assert files_under(gpu_less.root) == before
+
+
+# -- the README's "Try it without a GPU" -------------------------------------------------------------------
+
+
+def readme_try_commands() -> list[list[str]]:
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = text.split("### Try it without a GPU", 1)[1]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    commands = []
+    for line in block.splitlines():
+        for part in line.split("#", 1)[0].split("&&"):
+            words = shlex.split(part)
+            if words and words[0] == "gpunode":
+                commands.append(words[1:])
+    return commands
+
+
+def test_readme_try_it_without_a_gpu_commands_work(
+    gpu_less: Node, capsys: pytest.CaptureFixture[str]
+) -> None:
+    commands = readme_try_commands()
+    assert [c[:2] for c in commands] == [
+        ["doctor", "--simulate"],
+        ["cdi", "generate"],
+        ["up", "--simulate"],
+        ["plugin", "run"],
+    ]
+    gpu_less.file("/var/lib/dpkg/status")  # a Debian machine's apt database: the toolkit step is planned
+    before = files_under(gpu_less.root)
+    for argv in commands[:3]:  # plugin run serves until stopped: tests/integration runs it with --simulate
+        code = main(argv, host=gpu_less.host())
+        out = capsys.readouterr().out
+        assert code in (ExitCode.OK, ExitCode.UNHEALTHY), (argv, code)
+        assert "dgx-a100" in out or "simulated" in out, argv
+    assert files_under(gpu_less.root) == before
+    # The plugin's command line is one its parser takes, with the simulated node.
+    from gpunode.plugin.argv import parse
+
+    parsed = parse(commands[3][2:])
+    assert parsed is not None and parsed.simulate == "dgx-a100"
+    assert parsed.status_file == "/tmp/dp-status.json"
+
+
+def test_the_shell_completes_the_names_for_each_command() -> None:
+    from tests.cli.test_cli_surface import completions
+
+    for command in (["doctor"], ["cdi", "generate"], ["up"]):
+        assert completions(["gpunode", *command, "--simulate", "p"]) == ["pcie-4", "pairs-4"], command
