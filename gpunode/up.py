@@ -46,6 +46,8 @@ class UpOptions:
     request_timeout: float | None = None
     # CDI: CDI on in the runtime, gpunode's CDI spec written and kept true (gpunode.cdi.install).
     cdi: bool = False
+    # A built-in simulated node (`up --simulate NAME --dry-run`) whose driver and GPUs stand in for NVML's.
+    simulate: str | None = None
     # Where the package manager's output goes while the toolkit installs (the CLI shows it).
     on_output: Callable[[str], None] | None = field(default=None, compare=False)
     # The plugin step's wait for the service to register (up to 120 s): each poll, for the CLI's progress.
@@ -69,7 +71,7 @@ class Step:
 def plan_up(host: Host, opts: UpOptions, discover: Callable[[Host], Inventory]) -> list[Step]:
     """Every step's plan. A step that cannot even be planned (no key, no runtime) is shown with its error,
     so that the whole plan is still printed; `up` then stops before changing anything."""
-    steps = [planned("preflight", lambda: _preflight(host, discover))]
+    steps = [planned("preflight", lambda: _preflight(host, discover, opts.simulate))]
     for name in ("toolkit", "runtime", *(("cdi",) if opts.cdi else ()), "plugin", "labels"):
         steps.append(planned(name, lambda name=name: replan(host, opts, discover, name)))  # type: ignore[misc]
     return steps
@@ -94,7 +96,7 @@ def replan(host: Host, opts: UpOptions, discover: Callable[[Host], Inventory], n
     return {
         "toolkit": lambda: _toolkit(host, opts),
         "runtime": lambda: _runtime(host, opts),
-        "cdi": lambda: _cdi(host, discover),
+        "cdi": lambda: _cdi(host, discover, opts.simulate),
         "plugin": lambda: _plugin(host, opts),
         "labels": lambda: _labels(host, opts, discover),
     }[name]()
@@ -103,12 +105,12 @@ def replan(host: Host, opts: UpOptions, discover: Callable[[Host], Inventory], n
 # -- the steps --------------------------------------------------------------------------------------
 
 
-def _preflight(host: Host, discover: Callable[[Host], Inventory]) -> Step:
+def _preflight(host: Host, discover: Callable[[Host], Inventory], simulate: str | None = None) -> Step:
     from gpunode.doctor import run_doctor
     from gpunode.doctor.checks import kubelet_present
     from gpunode.doctor.model import Finding, Status
 
-    report = run_doctor(host, discover)
+    report = run_doctor(host, discover, simulate=simulate)
     blocking = [f for f in report.findings if f.status is Status.FAIL and f.id.startswith(BLOCKING_PREFIXES)]
     if not kubelet_present(host):
         # The plugin registers with kubelet; without one, its service never becomes ready.
@@ -130,7 +132,12 @@ def _preflight(host: Host, discover: Callable[[Host], Inventory]) -> Step:
             fix=first.fix or "run `gpunode doctor` for the details",
         )
     gpus = [f for f in report.findings if f.id.startswith("gpu.") and f.status is not Status.SKIP]
-    return Step("preflight", f"driver, NVML and kubelet are fine ({len(gpus)} GPU finding(s))", needed=False)
+    simulated = f", simulated: {simulate}" if simulate else ""
+    return Step(
+        "preflight",
+        f"driver, NVML and kubelet are fine ({len(gpus)} GPU finding(s){simulated})",
+        needed=False,
+    )
 
 
 def _toolkit(host: Host, opts: UpOptions) -> Step:
@@ -233,13 +240,14 @@ def runtime_step(host: Host, plan: RuntimePlan, replan: Callable[[], RuntimePlan
     )
 
 
-def _cdi(host: Host, discover: Callable[[Host], Inventory]) -> Step:
+def _cdi(host: Host, discover: Callable[[Host], Inventory], simulate: str | None = None) -> Step:
     """gpunode's CDI spec written, and the units that keep it true installed (`gpunode cdi install`)."""
     from gpunode.cdi.generate import GenerateOptions, check_writable, generate, write_spec
     from gpunode.cdi.install import apply_install, plan_install
     from gpunode.systemd.service import gpunode_executable
 
-    options = GenerateOptions()
+    # Simulated (a dry run only): the spec of the files a real node of that shape has, none looked for here.
+    options = GenerateOptions(simulate=simulate)
     generated = generate(host, discover(host), options)
     # Another tool's file at gpunode's path is refused here, so the plan (and --dry-run) shows it before
     # any step has changed the node, not half-way at apply.

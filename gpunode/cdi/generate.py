@@ -18,7 +18,15 @@ from typing import Any
 from gpunode import __version__
 from gpunode.cdi import ownership
 from gpunode.cdi import spec as cdispec
-from gpunode.cdi.hostfacts import DeviceNode, HostFacts, Roots, loaded_nvml_paths, read_host_facts
+from gpunode.cdi.hostfacts import (
+    SIMULATED_MAJORS,
+    DeviceNode,
+    HostFacts,
+    Roots,
+    loaded_nvml_paths,
+    read_host_facts,
+    simulated_host_facts,
+)
 from gpunode.errors import GpunodeError
 from gpunode.host import Host
 from gpunode.nvml.model import Inventory
@@ -45,6 +53,9 @@ class GenerateOptions:
     dev_root: str | None = None  # None: the driver root
     output: str | None = None  # None: default_output(kind)
     hook_program: str | None = None
+    # A built-in simulated node (`--simulate`): its spec is made from the files a real node of its shape
+    # has, none checked on this host (hostfacts.simulated_host_facts). Never written.
+    simulate: str | None = None
 
     @property
     def roots(self) -> Roots:
@@ -128,19 +139,31 @@ def generate(
     """Read the host and build the spec text; nothing is written."""
     cdispec.check_kind(options.kind)
     fmt = cdispec.format_of(options.path)
-    nvml_paths = loaded_nvml_paths(host) if loaded_nvml is None else tuple(loaded_nvml)
-    facts = read_host_facts(
-        host, inventory, options.roots, hook_program=options.hook_program, loaded_nvml=nvml_paths
-    )
+    if options.simulate:
+        facts = simulated_host_facts(inventory, options.roots, hook_program=options.hook_program)
+    else:
+        nvml_paths = loaded_nvml_paths(host) if loaded_nvml is None else tuple(loaded_nvml)
+        facts = read_host_facts(
+            host, inventory, options.roots, hook_program=options.hook_program, loaded_nvml=nvml_paths
+        )
     spec = build_spec(inventory, facts, options.kind)
     gpus = sum(1 for g in inventory.gpus if g.index in facts.gpu_nodes)
     migs = sum(len(g.mig_devices) for g in inventory.gpus if g.index in facts.gpu_nodes)
     version = inventory.driver_version or "unknown"
+    counts = f"{gpus} GPU{'s' if gpus != 1 else ''}, {migs} MIG device{'s' if migs != 1 else ''}"
     header = (
-        f"Written by gpunode {__version__} (`gpunode cdi generate`) from NVML: driver {version}, "
-        f"{gpus} GPU{'s' if gpus != 1 else ''}, {migs} MIG device{'s' if migs != 1 else ''}.\n"
+        f"Written by gpunode {__version__} (`gpunode cdi generate`) from NVML: driver {version}, {counts}.\n"
         "Regenerate it rather than edit it: `gpunode cdi generate`; `gpunode cdi check` says if it is stale."
     )
+    if options.simulate:
+        majors = ", ".join(f"{name} {major}" for name, major in SIMULATED_MAJORS.items())
+        header = (
+            f"Simulated by gpunode {__version__} (`gpunode cdi generate --simulate {options.simulate}`): "
+            f"driver {version}, {counts}.\n"
+            "The device nodes and driver files are those a real node of this shape has, none checked here:\n"
+            f"Debian / Ubuntu paths; device majors {majors} (the last two: given at load time).\n"
+            "Not for use on a node: `gpunode cdi generate` there reads its own."
+        )
     return Generated(
         path=options.path,
         fmt=fmt,

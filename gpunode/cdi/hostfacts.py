@@ -459,3 +459,87 @@ def _hook(host: Host, program: str | None, libraries: Iterable[str]) -> tuple[st
     if name == "nvidia-ctk":
         return path, (name, "hook", "update-ldcache", *folders)
     return path, (name, "update-ldcache", *folders)
+
+
+# -- a simulated node (`cdi generate --simulate`) -----------------------------------------------------------
+# What a real node of the simulated node's shape has, as the driver makes it: none of it is on this host,
+# so nothing is looked for. The majors of nvidia-uvm and nvidia-caps are given by the kernel at load time;
+# these are typical values, and the generated spec's header says the file is a simulation's.
+SIMULATED_MAJORS = {"nvidia": 195, "nvidia-uvm": 510, "nvidia-caps": 511}
+SIMULATED_LIBRARIES = (
+    "libcuda.so",
+    "libcudadebugger.so",
+    "libnvidia-allocator.so",
+    "libnvidia-cfg.so",
+    "libnvidia-gpucomp.so",
+    "libnvidia-ml.so",
+    "libnvidia-nvvm.so",
+    "libnvidia-opencl.so",
+    "libnvidia-ptxjitcompiler.so",
+)
+SIMULATED_FIRMWARE = ("gsp_ga10x.bin", "gsp_tu10x.bin")
+SIMULATED_HOOK = "/usr/bin/nvidia-cdi-hook"  # where nvidia-container-toolkit's packages install it
+_MULTIARCH = {"x86_64": "x86_64-linux-gnu", "aarch64": "aarch64-linux-gnu"}
+# nvidia-caps minors (/proc/driver/nvidia-caps/mig-minors): config 1, monitor 2, then per GPU 15 GPU
+# instances of 9 minors each (the instance's access, then its 8 compute instances').
+_CAPS_FIRST, _CAPS_PER_GI, _CAPS_GIS = 3, 9, 15
+
+
+def simulated_host_facts(inventory: Inventory, roots: Roots, *, hook_program: str | None = None) -> HostFacts:
+    """The device nodes and driver files a real node with `inventory`'s GPUs and driver has (Debian /
+    Ubuntu paths for this machine's architecture), unchecked: a simulated node's are not on this host."""
+    version = inventory.driver_version
+    if not version:
+        raise NotFound(
+            "the simulated node reports no driver version, which names the driver's libraries",
+            "pick a simulated node with a driver (dgx-a100, pcie-4, pairs-4, mig, h100)",
+        )
+    nvidia, uvm, caps = (SIMULATED_MAJORS[n] for n in ("nvidia", "nvidia-uvm", "nvidia-caps"))
+
+    def node(path: str, major: int, minor: int) -> DeviceNode:
+        return DeviceNode(path, roots.dev(path), major, minor)
+
+    warnings: list[str] = []
+    gpu_nodes: dict[int, DeviceNode] = {}
+    mig_nodes: dict[str, tuple[DeviceNode, ...]] = {}
+    for gpu in inventory.gpus:
+        if not gpu.usable or gpu.minor is None:
+            warnings.append(f"GPU {gpu.index} is left out: {gpu.error or 'lost from the bus'}")
+            continue
+        gpu_nodes[gpu.index] = node(f"/dev/nvidia{gpu.minor}", nvidia, gpu.minor)
+        for mig in gpu.mig_devices:
+            if mig.gpu_instance_id is None or mig.compute_instance_id is None:
+                warnings.append(f"MIG device {mig.uuid}: no instance IDs; no capability nodes")
+                continue
+            gi = _CAPS_FIRST + (gpu.minor * _CAPS_GIS + mig.gpu_instance_id) * _CAPS_PER_GI
+            ci = gi + 1 + mig.compute_instance_id
+            mig_nodes[mig.uuid] = tuple(node(f"/dev/nvidia-caps/nvidia-cap{m}", caps, m) for m in (gi, ci))
+    control = (
+        node("/dev/nvidiactl", nvidia, 255),
+        node("/dev/nvidia-uvm", uvm, 0),
+        node("/dev/nvidia-uvm-tools", uvm, 1),
+        node("/dev/nvidia-modeset", nvidia, 254),
+    )
+    libdir = f"/usr/lib/{_MULTIARCH.get(platform.machine(), 'x86_64-linux-gnu')}"
+    libraries = tuple(f"{libdir}/{name}.{version}" for name in SIMULATED_LIBRARIES)
+    program = hook_program or SIMULATED_HOOK
+    folders = ("--folder", libdir)
+    name = posixpath.basename(program)
+    hook_args = (
+        (name, "hook", "update-ldcache", *folders)
+        if name == "nvidia-ctk"
+        else (name, "update-ldcache", *folders)
+    )
+    return HostFacts(
+        roots=roots,
+        gpu_nodes=gpu_nodes,
+        mig_nodes=mig_nodes,
+        control=control,
+        libraries=libraries,
+        binaries=tuple(f"/usr/bin/{b}" for b in BINARIES),
+        firmware=tuple(f"{FIRMWARE_DIRS[0]}/{version}/{f}" for f in SIMULATED_FIRMWARE),
+        sockets=(SOCKETS[0],),  # nvidia-persistenced's: persistence mode is on on the simulated GPUs
+        mps_dir=None,
+        hook=(program, hook_args),
+        warnings=tuple(warnings),
+    )

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from gpunode.cli.common import Group, exit_codes
+from gpunode.cli.common import Group, complete_simulate, exit_codes
 from gpunode.errors import ExitCode
 
 if TYPE_CHECKING:
@@ -101,6 +101,25 @@ def _options(
     )
 
 
+def _simulate_usage(simulate: str, dry_run: bool) -> None:
+    from gpunode.errors import UsageError
+    from gpunode.plugin.simulate import check_profile
+
+    check_profile(simulate)
+    # Refused rather than implied: a command that writes without --dry-run must not quietly not write.
+    if not dry_run:
+        raise UsageError(
+            "--simulate makes the spec of a node that is not this one: it is never written",
+            "add --dry-run to print it",
+        )
+
+
+def _simulated_inventory(name: str) -> Inventory:
+    from gpunode.plugin.simulate import simulated_inventory
+
+    return simulated_inventory(name)
+
+
 def _inventory(host: Host) -> Inventory:
     from gpunode.nvml import discover
 
@@ -137,6 +156,14 @@ def _inventory(host: Host) -> Inventory:
     is_flag=True,
     help="Print one JSON document (schema gpunode.cdi-generate/v1) with the devices and the spec.",
 )
+@click.option(
+    "--simulate",
+    metavar="NAME",
+    shell_complete=complete_simulate,
+    help="The spec of a built-in simulated node (dgx-a100, pcie-4, pairs-4, mig, h100, ...) instead of "
+    "NVML's GPUs, with the device nodes and driver files a real node of its shape has, unchecked. Needs "
+    "--dry-run: a simulated spec is never written.",
+)
 @click.pass_context
 def generate(
     ctx: click.Context,
@@ -148,9 +175,12 @@ def generate(
     hook_program: str | None,
     dry_run: bool,
     as_json: bool,
+    simulate: str | None,
 ) -> None:
     """Write the CDI spec of this node's GPUs, from NVML: each GPU by index and UUID, each MIG device as
     <gpu>:<mig> and by UUID, and `all`; a spec that is already current is not rewritten."""
+    from dataclasses import replace
+
     from gpunode import jsonout
     from gpunode.cdi.generate import check_writable, write_spec_file
     from gpunode.cdi.generate import generate as make_spec
@@ -159,16 +189,20 @@ def generate(
 
     if as_json:
         jsonout.request("cdi-generate", dry_run=dry_run)
+    if simulate is not None:
+        _simulate_usage(simulate, dry_run)
     host = state(ctx).host
-    options = _options(kind, driver_root, dev_root, output, hook_program)
-    inventory = _inventory(host)
+    options = replace(_options(kind, driver_root, dev_root, output, hook_program), simulate=simulate)
+    inventory = _simulated_inventory(simulate) if simulate else _inventory(host)
     generated = make_spec(host, inventory, options)
     if not generated.spec["devices"]:
         raise NotFound(
             "NVML reports no usable GPU: there is nothing to put in a CDI spec",
             "check `nvidia-smi` and `gpunode doctor`",
         )
-    if dry_run:
+    if simulate:
+        written = None  # never written, so what is at the output now does not matter
+    elif dry_run:
         check_writable(host, generated, force=force)  # a dry run refuses what the run would refuse
         written = None
     else:
@@ -190,6 +224,7 @@ def generate(
                 devices=generated.qualified_names,
                 warnings=list(generated.warnings),
                 spec=generated.spec,
+                simulated=simulate,
             )
         )
         return

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from gpunode.cli.common import Command, exit_codes
+from gpunode.cli.common import Command, complete_simulate, exit_codes
 from gpunode.errors import ExitCode
 
 if TYPE_CHECKING:
@@ -42,8 +42,15 @@ _STYLE = {
     help="Also write the findings as Prometheus metrics to FILE, atomically, for node_exporter's textfile "
     "collector (e.g. /var/lib/node_exporter/textfile_collector/gpunode_doctor.prom).",
 )
+@click.option(
+    "--simulate",
+    metavar="NAME",
+    shell_complete=complete_simulate,
+    help="Diagnose a built-in simulated node's driver and GPUs instead of NVML's (dgx-a100, pcie-4, pairs-4, "
+    "mig, h100, ...); the rest (runtimes, kubelet, plugin) is this host's. Try gpunode without a GPU.",
+)
 @click.pass_context
-def doctor(ctx: click.Context, as_json: bool, prometheus: str | None) -> None:
+def doctor(ctx: click.Context, as_json: bool, prometheus: str | None, simulate: str | None) -> None:
     """Diagnose this node: driver, GPUs, container toolkit and runtimes, kubelet, device plugin.
 
     Read-only. Each check is a finding (ok, warn, FAIL, skip) with what it saw and the fix.
@@ -56,7 +63,19 @@ def doctor(ctx: click.Context, as_json: bool, prometheus: str | None) -> None:
         from gpunode import jsonout
 
         jsonout.request("doctor")  # an error that stops doctor is a document too
-    report = run_doctor(app_state.host, raise_bugs=app_state.debug)
+    if simulate is not None:
+        from gpunode.errors import UsageError
+        from gpunode.plugin.simulate import check_profile
+
+        check_profile(simulate)  # an unknown name is a usage error, not a failed finding
+        if prometheus is not None:
+            # node_exporter would publish the simulated GPUs' findings as this node's.
+            raise UsageError(
+                "--simulate writes nothing: --prometheus would publish a simulated node's findings as this "
+                "node's metrics",
+                "drop --prometheus (or --simulate)",
+            )
+    report = run_doctor(app_state.host, raise_bugs=app_state.debug, simulate=simulate)
     if prometheus is not None:
         import os
         import time

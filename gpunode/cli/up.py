@@ -6,12 +6,16 @@ from typing import TYPE_CHECKING
 
 import click
 
-from gpunode.cli.common import Command, complete_runtime, exit_codes
+from gpunode.cli.common import Command, complete_runtime, complete_simulate, exit_codes
 from gpunode.cli.node import check_node, kube_options
 from gpunode.cli.runtime import check_runtime
 from gpunode.cli.toolkit import check_fingerprint, check_repo_url, check_version
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from gpunode.host import Host
+    from gpunode.nvml.model import Inventory
     from gpunode.up import Step
 
 
@@ -54,6 +58,13 @@ if TYPE_CHECKING:
     is_flag=True,
     help="Print one JSON document (schema gpunode.up/v1): the plan, then each step's result.",
 )
+@click.option(
+    "--simulate",
+    metavar="NAME",
+    shell_complete=complete_simulate,
+    help="Plan for a built-in simulated node's driver and GPUs (dgx-a100, pcie-4, pairs-4, mig, h100, ...) "
+    "instead of NVML's; the rest is this host's. Needs --dry-run.",
+)
 @kube_options
 @click.pass_context
 def up(
@@ -74,6 +85,7 @@ def up(
     context: str | None,
     server: str | None,
     request_timeout: float | None,
+    simulate: str | None,
 ) -> None:
     """Make this a working GPU node: preflight, toolkit, container runtime, device plugin, labels.
 
@@ -86,9 +98,13 @@ def up(
     from gpunode.cli.state import state
     from gpunode.cli.waitline import WaitLine
     from gpunode.errors import ExitCode, GpunodeError
-    from gpunode.nvml.discovery import discover
     from gpunode.up import UpOptions, plan_up
 
+    if as_json:
+        from gpunode import jsonout
+
+        jsonout.request("up", dry_run=dry_run)
+    discover = _discover(simulate, dry_run)
     host = state(ctx).host
     refuse_foreign_root(
         host,
@@ -110,13 +126,15 @@ def up(
         server=server,
         request_timeout=request_timeout,
         cdi=cdi,
+        simulate=simulate,
         on_output=lambda line: click.echo(f"    | {line}"),
     )
     if as_json:
-        from gpunode import jsonout
-
-        jsonout.request("up", dry_run=dry_run)
         opts = replace(opts, on_output=None)  # the package manager's lines would break the document
+    if simulate and not as_json:
+        click.echo(
+            f"simulated node {simulate}: its driver and GPUs stand in for NVML's; the rest is this host's"
+        )
     # The plugin step waits up to 120 s for the service to register: its progress goes to stderr (never
     # into the --json document), cleared before the step's result or an error is printed.
     waiting = WaitLine()
@@ -139,6 +157,25 @@ def up(
             nothing="the node is already set up: nothing to change",
             finished="the node is set up; `gpunode doctor` checks it",
         )
+
+
+def _discover(simulate: str | None, dry_run: bool) -> Callable[[Host], Inventory]:
+    """NVML's discovery, or the simulated node's (a usage error, said first, unless it is a dry run)."""
+    if simulate is None:
+        from gpunode.nvml.discovery import discover
+
+        return discover
+    from gpunode.doctor import simulated_discover
+    from gpunode.errors import UsageError
+    from gpunode.plugin.simulate import check_profile
+
+    check_profile(simulate)
+    if not dry_run:
+        raise UsageError(
+            "--simulate plans for a node that is not this one: gpunode up never applies that plan",
+            "add --dry-run to see it",
+        )
+    return simulated_discover(simulate)
 
 
 def run_plan(

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from gpunode.cdi.check import check_cdi as spec_checks
 from gpunode.cdi.check import check_envvar_exposure
 from gpunode.cdi.generate import GenerateOptions
+from gpunode.doctor.context import simulated_tag
 from gpunode.doctor.model import Finding, Status
 from gpunode.errors import GpunodeError
 
@@ -42,6 +43,17 @@ def check_cdi(ctx: Context) -> Iterable[Finding]:
             "cdi",
             Status.SKIP,
             "CDI is not in use (no gpunode CDI spec, and the plugin uses no cdi-* strategy)",
+        )
+        yield check_envvar_exposure(ctx.host)
+        return
+    if ctx.simulated:
+        # This host's spec is made from its real GPUs: judged against simulated ones it would read as stale.
+        yield Finding(
+            "cdi",
+            Status.SKIP,
+            f"gpunode's CDI spec not compared with the GPUs: they are {simulated_tag(ctx.simulated)}",
+            detail=f"`gpunode cdi generate --simulate {ctx.simulated} --dry-run` shows the spec such a node "
+            "gets",
         )
         yield check_envvar_exposure(ctx.host)
         return

@@ -35,6 +35,8 @@ class Context:
     _inventory: Inventory | NvmlError | None = None
     _discovery_bug: Exception | None = None
     _services: dict[str, str | None] = field(default_factory=dict)
+    # The built-in simulated node (`--simulate`) whose GPUs and driver stand in for NVML's, or None.
+    simulated: str | None = None
 
     def inventory(self) -> Inventory | NvmlError:
         if self._discovery_bug is not None:
@@ -64,7 +66,17 @@ class Context:
         return kubelet_present(self.host)
 
     def driver_module_loaded(self) -> bool:
+        if self.simulated:
+            from gpunode.plugin.simulate import driver_loaded
+
+            # The host's own module says nothing about the simulated node's (a GPU-less box has none).
+            return driver_loaded(self.simulated)
         return self.host.exists(paths.NVIDIA_MODULE) or self.host.exists(paths.NVIDIA_DRIVER_VERSION)
+
+
+def simulated_tag(name: str) -> str:
+    """What each finding made from a simulated node says, so none is taken for this host's."""
+    return f"(simulated: {name})"
 
 
 # -- operating system ----------------------------------------------------------------------------

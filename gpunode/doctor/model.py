@@ -33,6 +33,7 @@ class Finding:
 @dataclass(frozen=True)
 class Report:
     findings: tuple[Finding, ...]
+    simulated: str | None = None  # the built-in node doctor --simulate read instead of NVML
 
     @property
     def healthy(self) -> bool:
@@ -53,5 +54,6 @@ class Report:
             "healthy": self.healthy,
             "counts": self.counts(),
             "checks": [f.to_json() for f in self.findings],
+            "simulated": self.simulated,
             "error": None,
         }

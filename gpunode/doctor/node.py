@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from gpunode import paths
-from gpunode.doctor.context import Context
+from gpunode.doctor.context import Context, simulated_tag
 from gpunode.doctor.model import Finding, Status
 from gpunode.errors import GpunodeError, NotFound, NvmlError
 
@@ -16,6 +16,14 @@ def check_capacity(ctx: Context) -> Iterable[Finding]:
     """The node's advertised GPU capacity against the GPUs present: the "GPUs read 0" failure."""
     if not ctx.has_kubelet:
         yield Finding("node.capacity", Status.SKIP, "advertised capacity not checked: no kubelet")
+        return
+    if ctx.simulated:
+        # The API server advertises this node's real GPUs: comparing them with simulated ones says nothing.
+        yield Finding(
+            "node.capacity",
+            Status.SKIP,
+            f"advertised capacity not compared: the GPUs are simulated {simulated_tag(ctx.simulated)}",
+        )
         return
     from gpunode.kube.credentials import resolve_credentials
 

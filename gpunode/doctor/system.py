@@ -66,7 +66,9 @@ _NVRM = re.compile(r"Kernel Module(?: for [\w-]+)?\s+([0-9][0-9.]+)")
 
 def check_driver(ctx: Context) -> Iterable[Finding]:
     host = ctx.host
-    if ctx.driver_module_loaded():
+    if ctx.simulated:
+        yield _simulated_module(ctx)
+    elif ctx.driver_module_loaded():
         try:
             text = host.read_text_if_exists(paths.NVIDIA_DRIVER_VERSION) or ""
         except GpunodeError:
@@ -85,8 +87,7 @@ def check_driver(ctx: Context) -> Iterable[Finding]:
             Status.FAIL,
             "the nvidia kernel module is not loaded",
             detail=f"neither {paths.NVIDIA_MODULE} nor {paths.NVIDIA_DRIVER_VERSION} exists",
-            fix="install the NVIDIA driver (e.g. `apt install nvidia-driver` / `ubuntu-drivers install`) and "
-            "load it with `modprobe nvidia`; if it will not load, see `dmesg | grep -i nvrm`",
+            fix=_DRIVER_FIX,
         )
     if host.exists(paths.NOUVEAU_MODULE):
         yield Finding(
@@ -98,6 +99,32 @@ def check_driver(ctx: Context) -> Iterable[Finding]:
         )
     else:
         yield Finding("driver.nouveau", Status.OK, "nouveau is not loaded")
+
+
+_DRIVER_FIX = (
+    "install the NVIDIA driver (e.g. `apt install nvidia-driver` / `ubuntu-drivers install`) and load it "
+    "with `modprobe nvidia`; if it will not load, see `dmesg | grep -i nvrm`"
+)
+
+
+def _simulated_module(ctx: Context) -> Finding:
+    """The simulated node's kernel module: loaded unless the node is one without a driver; its version is
+    the one its NVML reports (a real module and NVML of one driver agree)."""
+    if not ctx.driver_module_loaded():
+        return Finding(
+            "driver.module",
+            Status.FAIL,
+            "the nvidia kernel module is not loaded",
+            detail=f"the simulated node {ctx.simulated!r} has no NVIDIA driver loaded",
+            fix=_DRIVER_FIX,
+        )
+    inv = ctx.inventory()
+    version = None if isinstance(inv, NvmlError) else inv.driver_version
+    return Finding(
+        "driver.module",
+        Status.OK,
+        f"nvidia kernel module loaded{f' (version {version})' if version else ''}",
+    )
 
 
 def check_nvml(ctx: Context) -> Iterable[Finding]:
@@ -250,6 +277,17 @@ def check_device_nodes(ctx: Context) -> Iterable[Finding]:
         return
     wanted = ["/dev/nvidiactl", "/dev/nvidia-uvm"]
     inv = ctx.inventory()
+    if ctx.simulated:
+        # A simulated node's device nodes are not on this host: looking would fail every GPU-less box.
+        if not isinstance(inv, NvmlError):
+            wanted += [g.device_path for g in inv.gpus if g.device_path]
+        yield Finding(
+            "devices.nodes",
+            Status.SKIP,
+            "device nodes not checked: a simulated node has none on this host",
+            detail="A real node of this shape needs " + ", ".join(wanted),
+        )
+        return
     unchecked = ""
     if isinstance(inv, NvmlError):
         unchecked = "GPU nodes not checked: NVML cannot be used"

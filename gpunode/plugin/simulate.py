@@ -1,4 +1,5 @@
-"""Built-in simulated nodes for `gpunode plugin run --simulate PROFILE` (demos, GPU-less clusters).
+"""Built-in simulated nodes for `--simulate PROFILE` (demos, GPU-less clusters): `plugin run` serves them,
+`doctor`, `cdi generate --dry-run` and `up --dry-run` read them instead of NVML. The one source of their GPUs.
 
 The profiles are the machines of the test suite's fake NVML library (tests/fakenvml, not shipped), and
 `simulated_inventory(p)` is exactly what `discover()` returns when the real pynvml runs against that
@@ -24,7 +25,7 @@ from gpunode.nvml.discovery import (
 )
 from gpunode.nvml.model import Gpu, GpuPair, Inventory, MigDevice, MigMode, TopologyLevel
 
-__all__ = ["PROFILES", "simulated_inventory"]
+__all__ = ["PROFILES", "check_profile", "driver_loaded", "simulated_inventory"]
 
 T = TypeVar("T")
 
@@ -378,16 +379,33 @@ def _level(a: _Slot, b: _Slot) -> TopologyLevel:
     return TopologyLevel.SYSTEM
 
 
-def simulated_inventory(profile: str) -> Inventory:
-    """The Inventory `discover()` reads from the fake NVML library's `profile`, without NVML.
+def check_profile(profile: str) -> str:
+    """`profile` when it is a built-in simulated node; else the UsageError that names the known ones (every
+    command with --simulate says it before it reads anything)."""
+    _machine(profile)
+    return profile
 
-    Raises the NvmlError that discover() raises for profiles whose NVML cannot start (`no-driver`,
-    `init-fail`), and UsageError for a profile that does not exist.
-    """
+
+def _machine(profile: str) -> _Machine:
     machine = _MACHINES.get(profile)
     if machine is None:
         raise UsageError(
             f"unknown simulation profile {profile!r} (known: {', '.join(PROFILES)})",
             "pick one of the listed profiles for --simulate",
         )
-    return _Expander(machine).inventory()
+    return machine
+
+
+def driver_loaded(profile: str) -> bool:
+    """Whether the simulated node has its nvidia kernel module loaded: all but `no-driver`, whose NVML fails
+    because no driver is loaded (`init-fail` has a module, of another version than its library)."""
+    return _machine(profile).init_error != DRIVER_NOT_LOADED
+
+
+def simulated_inventory(profile: str) -> Inventory:
+    """The Inventory `discover()` reads from the fake NVML library's `profile`, without NVML.
+
+    Raises the NvmlError that discover() raises for profiles whose NVML cannot start (`no-driver`,
+    `init-fail`), and UsageError for a profile that does not exist.
+    """
+    return _Expander(_machine(profile)).inventory()

@@ -62,8 +62,9 @@ def test_json_schema_is_stable(
 ) -> None:
     fake_nvml("pcie-4")
     _, report = doctor_json(node, capsys)
-    # The v1 keys stay; the common envelope (changed, dry_run, error) was added beside them.
-    assert set(report) == {"schema", "changed", "dry_run", "healthy", "counts", "checks", "error"}
+    # The v1 keys stay; the common envelope (changed, dry_run, error) and `simulated` were added beside them.
+    envelope = {"schema", "changed", "dry_run", "error"}
+    assert set(report) == envelope | {"healthy", "counts", "checks", "simulated"}
     assert report["changed"] is False and report["error"] is None
     assert report["schema"] == "gpunode.doctor/v1"
     assert set(report["counts"]) == {"ok", "warn", "fail", "skip"}
