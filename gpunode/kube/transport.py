@@ -105,6 +105,13 @@ class _Watchdog:
     def remaining(self) -> float:
         return self._ends - time.monotonic()
 
+    @property
+    def passed(self) -> bool:
+        """The deadline has passed, whether or not the timer has fired yet. A socket timeout capped at the
+        time left (see _send_once) can fire before the timer thread runs on a loaded machine: that timeout
+        is the deadline's, not the connect or read timeout's."""
+        return self.expired or self.remaining() <= 0
+
     def cancel(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
@@ -272,10 +279,10 @@ def _send_once(
             cert=settings["cert"],
             proxies=settings["proxies"],
         )
-    except requests.exceptions.ConnectTimeout:
-        raise
     except requests.exceptions.RequestException as exc:
-        if watchdog.expired:
+        # A connect timeout stays a ConnectTimeout (nothing was sent, it may be tried again) unless it was the
+        # deadline's: min(connect, left) above.
+        if watchdog.passed:
             raise DeadlineExceeded(watchdog.seconds) from exc
         raise
     with response:
@@ -300,12 +307,12 @@ def _read_body(response: requests.Response, watchdog: _Watchdog, max_bytes: int)
     except (TooLarge, DeadlineExceeded):
         raise
     except requests.exceptions.RequestException as exc:
-        if watchdog.expired:
+        if watchdog.passed:
             raise DeadlineExceeded(watchdog.seconds) from exc
         raise
     except (urllib3.exceptions.HTTPError, OSError) as exc:
         # What requests does not wrap itself, as requests' own kind: the callers handle those.
-        if watchdog.expired:
+        if watchdog.passed:
             raise DeadlineExceeded(watchdog.seconds) from exc
         raise requests.exceptions.ConnectionError(exc) from exc
     # A body without a length ends at EOF, which is also what the watchdog's shutdown looks like: once the
