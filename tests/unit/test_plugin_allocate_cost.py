@@ -192,3 +192,31 @@ def test_the_allocate_line_is_made_into_a_record_by_the_log_thread_with_the_call
     assert len(lines) == 2
     assert re.fullmatch(f"{stamp} INFO {re.escape(allocated[3])}", lines[0])
     assert re.fullmatch(f"{stamp} WARNING a record as before", lines[1])
+
+
+def test_the_log_thread_makes_each_seconds_time_stamp_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The log thread formats a line per Allocate: localtime + strftime (~60 % of a line) once per second,
+    and every line exactly as logging.Formatter writes it."""
+    import time
+
+    from gpunode.plugin.runner import _Formatter
+
+    fmt = "%(asctime)s %(levelname)s %(message)s"
+    ours, theirs = _Formatter(fmt), logging.Formatter(fmt)
+    records = []
+    for created in (1_800_000_000.0, 1_800_000_000.25, 1_800_000_000.999, 1_800_000_001.5, 1_800_000_061.0):
+        record = logging.LogRecord("gpunode.plugin", logging.INFO, "", 0, "allocated %s", ("GPU-1",), None)
+        record.created, record.msecs = created, int((created - int(created)) * 1000) + 0.0
+        records.append(record)
+    expected = [theirs.format(r) for r in records]
+    calls: list[str] = []
+    strftime = time.strftime
+
+    def counting(*args: Any) -> str:
+        calls.append(args[0])
+        return strftime(*args)
+
+    monkeypatch.setattr(time, "strftime", counting)
+    assert [ours.format(r) for r in records] == expected
+    assert len(calls) == 3  # seconds 1_800_000_000, ..._001 and ..._061
+    assert expected[1].endswith(",250 INFO allocated GPU-1")
