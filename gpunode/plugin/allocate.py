@@ -103,7 +103,7 @@ def allocate(
     any is looked at (kubelet never sends that).
     """
     known = resource.by_id()
-    total = sum(len(ids) for ids in containers)
+    total = sum(map(len, containers))
     if total > len(known):
         raise Refused(
             "INVALID_ARGUMENT",
@@ -167,7 +167,9 @@ def _answer(
     devices: list[PluginDevice], settings: AllocateSettings, mps: MpsMounts | None = None
 ) -> ContainerAllocation:
     # Replicas of one GPU are one device to the runtime: expose each physical device once, in order.
-    visible = list(dict.fromkeys(d.visible_id for d in devices))
+    visible = (
+        [devices[0].visible_id] if len(devices) == 1 else list(dict.fromkeys(d.visible_id for d in devices))
+    )
     envs: dict[str, str] = dict(settings.extra_envs)
     mounts: list[tuple[str, str, bool]] = []
     annotations: dict[str, str] = {}

@@ -45,11 +45,17 @@ class PluginDevice:
     mig: MigDevice | None = None
     replica: int | None = None
 
-    @property
+    @cached_property
     def unit(self) -> Unit:
+        # Cached (a device never changes): every health lookup, one per device of each Allocate, needs it.
         if self.mig is None or self.mig.gpu_instance_id is None or self.mig.compute_instance_id is None:
             return Unit(self.gpu_index)
         return Unit(self.gpu_index, (self.mig.gpu_instance_id, self.mig.compute_instance_id))
+
+    @cached_property
+    def gpu_unit(self) -> Unit:
+        """The whole GPU the device is on (a mark there covers it)."""
+        return Unit(self.gpu_index)
 
 
 @dataclass(frozen=True)
@@ -553,6 +559,18 @@ class DeviceRegistry:
         with self._cond:
             return self._health(device, resource)
 
+    def allocation_view(self, name: str) -> tuple[Resource | None, Callable[[PluginDevice], DeviceHealth]]:
+        """The resource and the health of its devices as of one moment, for one Allocate: one lock for the
+        whole call, where a `health_of` per device took it once per device (issue 24). The marks are
+        copied (almost always none), so the health callable reads them without the lock."""
+        with self._cond:
+            state = self._states.get(name)
+            unhealthy = dict(self._unhealthy)
+            down = self._down.get(name)
+        if not unhealthy and down is None:
+            return (state.resource if state else None), _healthy
+        return (state.resource if state else None), lambda d: _health_under(unhealthy, down, d)
+
     def snapshot(self, name: str) -> tuple[int, tuple[DeviceHealth, ...]]:
         """The resource's version and every device with its health (empty if the resource is gone)."""
         with self._cond:
@@ -577,15 +595,27 @@ class DeviceRegistry:
                 self._cond.wait()
 
     def _health(self, device: PluginDevice, resource: str | None = None) -> DeviceHealth:
-        unit = device.unit
-        reason = self._unhealthy.get(Unit(unit.gpu_index))
-        if reason is None and unit.instance is not None:
-            reason = self._unhealthy.get(unit)
-        if reason is None and resource is not None and device.replica is not None:
-            # The replicas are what a resource-wide reason (its MPS daemon) serves; GPUs an entry leaves
-            # unshared in the same resource do not depend on it.
-            reason = self._down.get(resource)
-        return DeviceHealth(device, reason is None, reason)
+        return _health_under(
+            self._unhealthy, self._down.get(resource) if resource is not None else None, device
+        )
+
+
+def _health_under(unhealthy: Mapping[Unit, str], down: str | None, device: PluginDevice) -> DeviceHealth:
+    """The device's health under these GPU marks and its resource's down reason (None: not down)."""
+    unit = device.unit
+    reason = unhealthy.get(device.gpu_unit)
+    if reason is None and unit.instance is not None:
+        reason = unhealthy.get(unit)
+    if reason is None and device.replica is not None:
+        # The replicas are what a resource-wide reason (its MPS daemon) serves; GPUs an entry leaves
+        # unshared in the same resource do not depend on it.
+        reason = down
+    return DeviceHealth(device, reason is None, reason)
+
+
+def _healthy(device: PluginDevice) -> DeviceHealth:
+    """The health of any device while no GPU is marked and the resource is not down."""
+    return DeviceHealth(device, True, None)
 
 
 def _mig_units(resources: Iterable[Resource]) -> dict[Unit, str]:

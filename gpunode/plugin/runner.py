@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING, Any
 from gpunode.errors import GpunodeError
 from gpunode.host import Host
 from gpunode.nvml.model import Inventory
-from gpunode.plugin import statusfile
+from gpunode.plugin import logsafe, statusfile
 from gpunode.plugin.config import PluginConfig, load_config
+from gpunode.plugin.logsafe import Line
 
 if TYPE_CHECKING:
     from gpunode.plugin.pluginstatus import PluginStatus
@@ -116,7 +117,8 @@ class LogWriter:
     BATCH_DELAY = 0.002  # seconds
 
     def __init__(self, target: logging.StreamHandler[Any]) -> None:
-        self.queue: queue.SimpleQueue[logging.LogRecord | None] = queue.SimpleQueue()
+        # Records, and lines from logsafe.log_line (a tuple: the record is made here, not by the caller).
+        self.queue: queue.SimpleQueue[logging.LogRecord | Line | None] = queue.SimpleQueue()
         self.handler: logging.Handler = _Enqueue(self.queue)
         self._target = target
         self._thread = threading.Thread(target=self._run, name="gpunode-log", daemon=True)
@@ -135,9 +137,10 @@ class LogWriter:
                 batch = batch[: batch.index(None)]
             self._write([r for r in batch if r is not None])
 
-    def _write(self, records: list[logging.LogRecord]) -> None:
+    def _write(self, items: list[logging.LogRecord | Line]) -> None:
         target = self._target
         lines = []
+        records = [item if isinstance(item, logging.LogRecord) else _record(*item) for item in items]
         for record in records:
             if record.levelno < target.level:
                 continue
@@ -153,10 +156,49 @@ class LogWriter:
         except Exception:  # stderr gone (a closed pipe): logging's report, as StreamHandler.emit does
             target.handleError(records[-1])
 
+    def own(self, root: logging.Logger) -> None:
+        """This writer's handler is now `root`'s only one, and nothing propagates past it: log_line may hand
+        lines of root's children straight to the queue."""
+        logsafe.SINK.put, logsafe.SINK.root, logsafe.SINK.handler = self.queue.put, root, self.handler
+
     def stop(self, timeout: float = 2.0) -> None:
         """Write what is queued; give up after `timeout` (a stalled stderr must not keep the plugin up)."""
+        if logsafe.SINK.handler is self.handler:  # later lines go through logging again
+            logsafe.SINK.put = logsafe.SINK.root = logsafe.SINK.handler = None
         self.queue.put(None)
         self._thread.join(timeout)
+
+
+class _Formatter(logging.Formatter):
+    """logging.Formatter, with the date and time of the time stamp made once per second: localtime and
+    strftime were ~60 % of formatting a line, and the log thread formats one per Allocate, taking the GIL
+    from the threads serving kubelet (issue 24). Only the log thread formats, so the cache needs no lock."""
+
+    _second: int | None = None
+    _stamp = ""
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        if datefmt is not None:
+            return super().formatTime(record, datefmt)
+        second = int(record.created)
+        if second != self._second:
+            self._stamp = time.strftime(self.default_time_format, self.converter(record.created))
+            self._second = second
+        # As logging.Formatter.formatTime: ",mmm" unless default_msec_format is None.
+        msec = self.default_msec_format
+        return msec % (self._stamp, record.msecs) if msec else self._stamp
+
+
+def _record(created: float, level: int, name: str, message: str) -> logging.LogRecord:
+    """The record logging would have made at `created` for `message` (no args, no caller), made in the
+    log thread; its time stamps are the call's (msecs computed as LogRecord computes it)."""
+    # Through the record factory, as Logger.makeRecord makes every record.
+    factory = logging.getLogRecordFactory()
+    record = factory(name, level, "(unknown file)", 0, message, None, None, "(unknown function)")
+    record.relativeCreated -= (record.created - created) * 1000
+    record.created = created
+    record.msecs = int((created - int(created)) * 1000) + 0.0
+    return record
 
 
 class _Enqueue(logging.Handler):
@@ -164,7 +206,7 @@ class _Enqueue(logging.Handler):
     and copy it first: an Allocate pays ~10 µs less, and the record is formatted by the log thread. Safe
     because gpunode's log arguments are strings and numbers, never objects that change after the call."""
 
-    def __init__(self, target: queue.SimpleQueue[logging.LogRecord | None]) -> None:
+    def __init__(self, target: queue.SimpleQueue[logging.LogRecord | Line | None]) -> None:
         super().__init__()
         self._put = target.put
 
@@ -191,12 +233,13 @@ def setup_logging(debug: bool, env: Mapping[str, str]) -> LogWriter:
     # logging documentation's own advice ("Optimization"): set logging._srcfile to None.
     logging._srcfile = None
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(fmt))
+    handler.setFormatter(_Formatter(fmt))
     writer = LogWriter(handler)
     root = logging.getLogger("gpunode")
     root.handlers[:] = [writer.handler]
     root.setLevel(logging.DEBUG if debug else logging.INFO)
     root.propagate = False
+    writer.own(root)
     return writer
 
 

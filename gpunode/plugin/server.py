@@ -34,7 +34,7 @@ from gpunode.plugin.allocate import AllocateSettings, ContainerAllocation, Refus
 from gpunode.plugin.api import deviceplugin_pb2 as pb
 from gpunode.plugin.api import deviceplugin_pb2_grpc
 from gpunode.plugin.devices import DeviceHealth, DeviceRegistry
-from gpunode.plugin.logsafe import shown_ids
+from gpunode.plugin.logsafe import log_line, shown_ids
 from gpunode.plugin.preferred import Topology, preferred_allocation
 
 log = logging.getLogger("gpunode.plugin")
@@ -247,18 +247,14 @@ class DevicePluginService(deviceplugin_pb2_grpc.DevicePluginServicer):
 
     def Allocate(self, request: pb.AllocateRequest, context: grpc.ServicerContext) -> pb.AllocateResponse:
         self._drop_if_expired(context, "Allocate")
-        resource = self.registry.resource(self.resource_name)
+        # The resource and its devices' health in one look (one lock), not a lock per device.
+        resource, health = self.registry.allocation_view(self.resource_name)
         if resource is None:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.resource_name} is no longer served")
             raise AssertionError("abort raises")  # for the type checker: context.abort never returns
         containers = [list(c.devices_ids) for c in request.container_requests]
         try:
-            answers = allocate(
-                resource,
-                containers,
-                lambda device: self.registry.health_of(device, self.resource_name),
-                self.current[1].allocate,
-            )
+            answers = allocate(resource, containers, health, self.current[1].allocate)
         except Refused as refused:
             # Bounded and escaped: the request is the caller's text, of any size (logsafe).
             self._refusals.warning(
@@ -272,7 +268,8 @@ class DevicePluginService(deviceplugin_pb2_grpc.DevicePluginServicer):
             )
             context.abort(getattr(grpc.StatusCode, refused.code), refused.message)
         # Every ID is a served device here (checked above), so they are known, short and printable.
-        log.info("%s: allocated %s", self.resource_name, "; ".join(",".join(c) for c in containers))
+        # Formatted here and handed to the log thread as it is (log_line): no LogRecord on this thread.
+        log_line(log, logging.INFO, f"{self.resource_name}: allocated {'; '.join(map(','.join, containers))}")
         return pb.AllocateResponse(container_responses=[_container_response(a) for a in answers])
 
     def PreStartContainer(
@@ -334,21 +331,27 @@ class ResourceServer:
 
 def _container_response(a: ContainerAllocation) -> pb.ContainerAllocateResponse:
     # Only the fields the strategies filled: each one given to the constructor costs a conversion even when
-    # empty (a map goes through collections.abc's update), and an empty field is not sent anyway.
+    # empty, and an empty field is not sent anyway. The maps are filled key by key after: given to the
+    # constructor (or to update()), a map goes through collections.abc's Python update (~3 µs more).
     fields: dict[str, Any] = {}
-    if a.envs:
-        fields["envs"] = a.envs
     if a.mounts:
         fields["mounts"] = [pb.Mount(container_path=c, host_path=h, read_only=ro) for c, h, ro in a.mounts]
     if a.devices:
         fields["devices"] = [
             pb.DeviceSpec(container_path=c, host_path=h, permissions=p) for c, h, p in a.devices
         ]
-    if a.annotations:
-        fields["annotations"] = a.annotations
     if a.cdi_devices:
         fields["cdi_devices"] = [pb.CDIDevice(name=n) for n in a.cdi_devices]
-    return pb.ContainerAllocateResponse(**fields)
+    response = pb.ContainerAllocateResponse(**fields)
+    if a.envs:
+        envs = response.envs
+        for key, value in a.envs.items():
+            envs[key] = value
+    if a.annotations:
+        annotations = response.annotations
+        for key, value in a.annotations.items():
+            annotations[key] = value
+    return response
 
 
 def _plain_choice(must: list[str], available: list[str], size: int) -> list[str]:

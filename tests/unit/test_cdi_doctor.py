@@ -3,6 +3,8 @@ cdi-* strategy); otherwise one skip, and the NVIDIA_VISIBLE_DEVICES exposure, wh
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -61,3 +63,27 @@ def test_a_runtime_without_cdi_fails_with_the_fix(tmp_path: Path, fake_nvml: Cal
     assert found["cdi.runtime.containerd"].fix == "`gpunode configure-runtime containerd --cdi`"
     config.write_text('version = 2\n[plugins."io.containerd.grpc.v1.cri"]\n  enable_cdi = true\n')
     assert statuses(context(tmp_path))["cdi.runtime.containerd"] is Status.OK
+
+
+def test_without_a_plugin_config_doctor_does_not_import_the_plugins_config_module(tmp_path: Path) -> None:
+    """issue 24: doctor's time. In a process of its own, so no other test's import counts."""
+    code = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from gpunode.doctor.cdi import check_cdi\n"
+        "from gpunode.doctor.checks import Context\n"
+        "from gpunode.host import Host, ScriptedRunner\n"
+        "from gpunode.nvml import discover\n"
+        f"ctx = Context(host=Host(root=Path({str(tmp_path)!r}), runner=ScriptedRunner(), env={{}}), "
+        "discover=discover)\n"
+        "print(sorted(f.id for f in check_cdi(ctx)), 'gpunode.plugin.config' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "['cdi', 'cdi.envvar'] False"
+
+
+def test_doctors_plugin_config_path_is_the_plugins() -> None:
+    from gpunode.doctor.cdi import PLUGIN_CONFIG
+    from gpunode.plugin.config import DEFAULT_CONFIG
+
+    assert PLUGIN_CONFIG == DEFAULT_CONFIG
