@@ -67,6 +67,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "app",
         "Advertise this node's GPUs through the Kubernetes API (capacity and GPU feature discovery labels).",
     ),
+    "dra": (
+        "gpunode.cli.dra",
+        "app",
+        "Dynamic Resource Allocation (resource.k8s.io/v1): the DeviceClasses that select this node's GPUs.",
+    ),
     "completion": (
         "gpunode.cli.completion",
         "completion",

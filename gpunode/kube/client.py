@@ -364,34 +364,45 @@ class KubeClient:
         path = f"{DRA_PATH}/namespaces/{quote(namespace, safe='')}/resourceclaims/{quote(name, safe='')}"
         return self._object(self._request("GET", path, op), op, _claim_problem)
 
+    def plan_device_class(
+        self, device_class: Mapping[str, Any]
+    ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        """What apply_device_class would do now, with nothing written (`--dry-run`, and apply's own first
+        step): (the DeviceClass there, or None when there is none; the object apply would send — the
+        create's body, or the update's with the resourceVersion read — or None when the one there already
+        carries this spec, these labels and annotations)."""
+        metadata = device_class.get("metadata") or {}
+        name = _check_name(str(metadata.get("name") or ""), "DeviceClass")
+        wanted = _typed(device_class, "DeviceClass")
+        read = _Op("get", "deviceclasses", name, DRA_GROUP)
+        response = self._request("GET", f"{DRA_PATH}/deviceclasses/{quote(name, safe='')}", read)
+        if response.status_code == 404 and _names_object(response, name):
+            return None, wanted
+        current = self._object(response, read, _class_problem)
+        return current, _class_update(current, wanted)
+
     def apply_device_class(self, device_class: Mapping[str, Any]) -> tuple[dict[str, Any], bool]:
         """Create the DeviceClass, or make the one there carry this spec (and these labels and
         annotations; others it has are kept). Returns it as stored and whether anything was written.
         Read-modify-write: an update carries the resourceVersion read, and a 409 reads it again."""
-        metadata = device_class.get("metadata") or {}
-        name = _check_name(str(metadata.get("name") or ""), "DeviceClass")
-        path = f"{DRA_PATH}/deviceclasses/{quote(name, safe='')}"
-        wanted = _typed(device_class, "DeviceClass")
+        name = _check_name(str((device_class.get("metadata") or {}).get("name") or ""), "DeviceClass")
         attempts = max(1, self.retry.conflict_attempts)
         for attempt in range(1, attempts + 1):
-            read = _Op("get", "deviceclasses", name, DRA_GROUP)
-            response = self._request("GET", path, read)
-            if response.status_code == 404 and _names_object(response, name):
+            current, body = self.plan_device_class(device_class)
+            if current is not None and body is None:
+                return current, False
+            if current is None:
                 op = _Op("create", "deviceclasses", name, DRA_GROUP)
                 response = self._request(
-                    "POST", f"{DRA_PATH}/deviceclasses", op, "application/json", _dumps(wanted)
+                    "POST", f"{DRA_PATH}/deviceclasses", op, "application/json", _dumps(body)
                 )
-                if response.status_code != 409:  # 409 here: created by someone else since the read
-                    return self._object(response, op, _class_problem), True
             else:
-                current = self._object(response, read, _class_problem)
-                merged = _class_update(current, wanted)
-                if merged is None:
-                    return current, False
                 op = _Op("update", "deviceclasses", name, DRA_GROUP)
-                response = self._request("PUT", path, op, "application/json", _dumps(merged))
-                if response.status_code != 409:
-                    return self._object(response, op, _class_problem), True
+                path = f"{DRA_PATH}/deviceclasses/{quote(name, safe='')}"
+                response = self._request("PUT", path, op, "application/json", _dumps(body))
+            # 409: created by someone else since the read, or changed since it (a stale resourceVersion).
+            if response.status_code != 409:
+                return self._object(response, op, _class_problem), True
             log.info(
                 "deviceclass %s changed while gpunode wrote it (409); reading it again (%d of %d)",
                 name,
