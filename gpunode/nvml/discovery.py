@@ -23,7 +23,17 @@ from gpunode.errors import (
     NvmlNoPermission,
 )
 from gpunode.host import Host
-from gpunode.nvml.model import Gpu, GpuPair, Inventory, MigDevice, MigMode, TopologyLevel
+from gpunode.nvml.model import (
+    Fabric,
+    Gpu,
+    GpuPair,
+    Inventory,
+    MigAttributes,
+    MigDevice,
+    MigMode,
+    MigPlacement,
+    TopologyLevel,
+)
 
 T = TypeVar("T")
 
@@ -37,6 +47,9 @@ FUNCTION_NOT_FOUND = 13
 GPU_IS_LOST = 15
 LIB_RM_VERSION_MISMATCH = 18
 INVALID_ARGUMENT = 2
+ARGUMENT_VERSION_MISMATCH = 25
+
+FABRIC_STATE_COMPLETED = 3  # NVML_GPU_FABRIC_STATE_COMPLETED: the GPU is registered with its fabric
 
 NVLINK_DEVICE_TYPE_GPU = 0
 NVLINK_DEVICE_TYPE_SWITCH = 2
@@ -53,6 +66,8 @@ ARCHITECTURES = {
     10: "Blackwell",
     13: "Rubin",
 }
+
+_PCI_ROOT = re.compile(r"pci[0-9a-f]{4}:[0-9a-f]{2}")
 
 _MIG_PROFILE = re.compile(r"\b(\d+g\.\d+gb)\b")
 
@@ -150,14 +165,7 @@ class _Reader:
             if code == GPU_IS_LOST:
                 raise _Lost from exc
             # Any other failure of one query loses that one fact, never the whole inventory.
-            reason = {
-                NOT_SUPPORTED: "not supported by this GPU/driver",
-                FUNCTION_NOT_FOUND: "not implemented by this driver's NVML",
-                NO_PERMISSION: "permission denied",
-                NOT_FOUND: "not found",
-                INVALID_ARGUMENT: "refused (invalid argument)",
-            }.get(code if isinstance(code, int) else -1, f"failed ({exc})")
-            self.unknown.append(f"{what}: {reason}")
+            self.unknown.append(f"{what}: {_reason(code, exc)}")
             return None
 
     def read(self) -> Inventory:
@@ -218,6 +226,7 @@ class _Reader:
         minor = self.soft(f"{label} minor number", nvml.nvmlDeviceGetMinorNumber, handle)
         cc = self.soft(f"{label} compute capability", nvml.nvmlDeviceGetCudaComputeCapability, handle)
         arch = self.soft(f"{label} architecture", nvml.nvmlDeviceGetArchitecture, handle)
+        brand = self.soft(f"{label} brand", nvml.nvmlDeviceGetBrand, handle)
         persistence = self.soft(f"{label} persistence mode", nvml.nvmlDeviceGetPersistenceMode, handle)
         ecc = self.soft(
             f"{label} ECC errors",
@@ -251,6 +260,63 @@ class _Reader:
             retired_pages_pending=None if retired is None else bool(retired),
             remapped_rows_pending=None if remapped is None else bool(remapped[2]),
             remapped_rows_failure=None if remapped is None else bool(remapped[3]),
+            brand=None if brand is None else int(brand),
+            pcie_root=self.pcie_root(bus_id),
+            fabric=self.fabric(label, handle),
+        )
+
+    def pcie_root(self, bus_id: str | None) -> str | None:
+        # What Kubernetes' deviceattribute helper reads: /sys/bus/pci/devices/<address> links to
+        # /sys/devices/pci<domain>:<bus>/.../<address>; the first part names the root complex.
+        if not bus_id:
+            return None
+        try:
+            real = self.host.canonical(f"/sys/bus/pci/devices/{sysfs_pci_address(bus_id)}")
+        except (GpunodeError, OSError, ValueError):
+            return None
+        parts = real.split("/")
+        if len(parts) > 4 and parts[1:3] == ["sys", "devices"] and _PCI_ROOT.fullmatch(parts[3]):
+            return parts[3]
+        return None
+
+    def fabric(self, label: str, handle: Any) -> Fabric | None:
+        # NOT_SUPPORTED is the answer of every GPU before Hopper ("no fabric"), not a fact NVML lacks:
+        # it adds no `unknown` line. A driver without the versioned call gets the first one.
+        import ctypes  # here: simulated nodes import this module and must not load ctypes
+
+        nvml = self.nvml
+
+        def query() -> Any:
+            versioned = getattr(nvml, "c_nvmlGpuFabricInfo_v2_t", None)
+            if versioned is not None:
+                info = versioned()
+                try:
+                    nvml.nvmlDeviceGetGpuFabricInfoV(handle, ctypes.byref(info))
+                    return info
+                except nvml.NVMLError as exc:
+                    if getattr(exc, "value", None) not in (FUNCTION_NOT_FOUND, ARGUMENT_VERSION_MISMATCH):
+                        raise
+            info = nvml.c_nvmlGpuFabricInfo_t()
+            nvml.nvmlDeviceGetGpuFabricInfo(handle, ctypes.byref(info))
+            return info
+
+        try:
+            info = query()
+        except nvml.NVMLError as exc:
+            code = getattr(exc, "value", None)
+            if code == GPU_IS_LOST:
+                raise _Lost from exc
+            if code != NOT_SUPPORTED:
+                self.unknown.append(f"{label} NVLink fabric: {_reason(code, exc)}")
+            return None
+        if int(info.state) != FABRIC_STATE_COMPLETED or int(info.status) != 0:
+            return None  # outside a fabric, or not registered with it (yet): no domain to name
+        raw = bytes(info.clusterUuid)
+        if not any(raw):
+            return None
+        h = raw.hex()
+        return Fabric(
+            cluster_uuid=f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}", clique_id=int(info.cliqueId)
         )
 
     def numa_node(self, label: str, bus_id: str | None, handle: Any) -> int | None:
@@ -287,21 +353,54 @@ class _Reader:
             name = _text(self.soft(f"{mlabel} name", nvml.nvmlDeviceGetName, mig))
             mem = self.soft(f"{mlabel} memory", nvml.nvmlDeviceGetMemoryInfo, mig)
             match = _MIG_PROFILE.search(name or "")
+            uuid = _text(self.soft(f"{mlabel} UUID", nvml.nvmlDeviceGetUUID, mig)) or ""
+            gi = self.soft(f"{mlabel} GPU instance", nvml.nvmlDeviceGetGpuInstanceId, mig)
             found.append(
                 MigDevice(
                     parent_index=parent,
                     index=slot,
-                    uuid=_text(self.soft(f"{mlabel} UUID", nvml.nvmlDeviceGetUUID, mig)) or "",
+                    uuid=uuid,
                     name=name,
                     profile=match.group(1) if match else None,
                     memory_total=None if mem is None else int(mem.total),
-                    gpu_instance_id=self.soft(f"{mlabel} GPU instance", nvml.nvmlDeviceGetGpuInstanceId, mig),
+                    gpu_instance_id=gi,
                     compute_instance_id=self.soft(
                         f"{mlabel} compute instance", nvml.nvmlDeviceGetComputeInstanceId, mig
                     ),
+                    placement=None if gi is None else self.mig_placement(mlabel, handle, int(gi)),
+                    attributes=self.mig_attributes(mlabel, mig),
                 )
             )
         return tuple(found)
+
+    def mig_placement(self, mlabel: str, parent: Any, gi: int) -> MigPlacement | None:
+        nvml = self.nvml
+
+        def query() -> Any:
+            return nvml.nvmlGpuInstanceGetInfo(nvml.nvmlDeviceGetGpuInstanceById(parent, gi))
+
+        info = self.soft(f"{mlabel} GPU instance placement", query)
+        if info is None:
+            return None
+        return MigPlacement(
+            profile_id=int(info.profileId), start=int(info.placement.start), size=int(info.placement.size)
+        )
+
+    def mig_attributes(self, mlabel: str, mig: Any) -> MigAttributes | None:
+        a = self.soft(f"{mlabel} attributes", self.nvml.nvmlDeviceGetAttributes_v2, mig)
+        if a is None:
+            return None
+        return MigAttributes(
+            multiprocessors=int(a.multiprocessorCount),
+            copy_engines=int(a.sharedCopyEngineCount),
+            decoders=int(a.sharedDecoderCount),
+            encoders=int(a.sharedEncoderCount),
+            jpeg_engines=int(a.sharedJpegCount),
+            ofa_engines=int(a.sharedOfaCount),
+            gpu_instance_slices=int(a.gpuInstanceSliceCount),
+            compute_instance_slices=int(a.computeInstanceSliceCount),
+            memory_mib=int(a.memorySizeMB),
+        )
 
     def read_topology(self, gpus: list[Gpu], handles: dict[int, Any]) -> tuple[GpuPair, ...]:
         nvml = self.nvml
@@ -383,6 +482,16 @@ class _Reader:
             elif kind == NVLINK_DEVICE_TYPE_SWITCH or (peer is None and kind is None):
                 per_switch = switch_links.setdefault(index, {})
                 per_switch[remote] = per_switch.get(remote, 0) + 1
+
+
+def _reason(code: object, exc: Exception) -> str:
+    return {
+        NOT_SUPPORTED: "not supported by this GPU/driver",
+        FUNCTION_NOT_FOUND: "not implemented by this driver's NVML",
+        NO_PERMISSION: "permission denied",
+        NOT_FOUND: "not found",
+        INVALID_ARGUMENT: "refused (invalid argument)",
+    }.get(code if isinstance(code, int) else -1, f"failed ({exc})")
 
 
 def _text(value: object) -> str | None:

@@ -35,6 +35,40 @@ class MigMode:
 
 
 @dataclass(frozen=True)
+class MigAttributes:
+    """What one MIG device has of its parent (nvmlDeviceGetAttributes on the MIG handle)."""
+
+    multiprocessors: int
+    copy_engines: int
+    decoders: int
+    encoders: int
+    jpeg_engines: int
+    ofa_engines: int
+    gpu_instance_slices: int
+    compute_instance_slices: int
+    memory_mib: int
+
+
+@dataclass(frozen=True)
+class MigPlacement:
+    """The GPU instance a MIG device lives in (nvmlGpuInstanceGetInfo): its profile id as
+    `nvidia-smi mig -lgip` lists it, and its placement in memory slices."""
+
+    profile_id: int
+    start: int
+    size: int
+
+
+@dataclass(frozen=True)
+class Fabric:
+    """The NVSwitch fabric a GPU was registered with (nvmlDeviceGetGpuFabricInfo, state completed): GPUs
+    with the same cluster UUID and clique id share one NVLink domain, across nodes too."""
+
+    cluster_uuid: str  # "6b1c6a3e-1f0e-4d2b-9a77-0c5d2e8f4a11"
+    clique_id: int
+
+
+@dataclass(frozen=True)
 class MigDevice:
     parent_index: int
     index: int  # slot on the parent GPU
@@ -44,6 +78,8 @@ class MigDevice:
     memory_total: int | None  # bytes
     gpu_instance_id: int | None
     compute_instance_id: int | None
+    placement: MigPlacement | None = None
+    attributes: MigAttributes | None = None
 
 
 @dataclass(frozen=True)
@@ -65,6 +101,9 @@ class Gpu:
     retired_pages_pending: bool | None = None
     remapped_rows_pending: bool | None = None
     remapped_rows_failure: bool | None = None
+    brand: int | None = None  # NVML_BRAND_*
+    pcie_root: str | None = None  # "pci0000:64", the PCI root complex from sysfs
+    fabric: Fabric | None = None  # None: not in an NVSwitch fabric, or NVML cannot say
     lost: bool = False  # fell off the bus (NVML_ERROR_GPU_IS_LOST)
     error: str | None = None  # why this GPU could not be read at all (e.g. no permission)
 

@@ -23,7 +23,16 @@ from gpunode.nvml.discovery import (
     NOT_SUPPORTED,
     translate_nvml_error,
 )
-from gpunode.nvml.model import Gpu, GpuPair, Inventory, MigDevice, MigMode, TopologyLevel
+from gpunode.nvml.model import (
+    Gpu,
+    GpuPair,
+    Inventory,
+    MigAttributes,
+    MigDevice,
+    MigMode,
+    MigPlacement,
+    TopologyLevel,
+)
 
 __all__ = ["PROFILES", "check_profile", "driver_loaded", "simulated_inventory"]
 
@@ -45,6 +54,7 @@ class _Model:
     cc: tuple[int, int]
     arch: int  # NVML_DEVICE_ARCH_*, named through discovery's table so the labels cannot drift
     mig_capable: bool = False
+    brand: int = 14  # NVML_BRAND_*; the fake library's default is NVML_BRAND_NVIDIA
 
 
 @dataclass(frozen=True)
@@ -52,6 +62,11 @@ class _Mig:
     profile: str  # "1g.5gb"; the fake names the instance "<GPU name> MIG <profile>"
     memory_mib: int
     gpu_instance_id: int
+    slices: int
+    # The GPU instance's profile id and placement (memory slices), as the fake library assigns them.
+    profile_id: int
+    placement_start: int
+    placement_size: int
 
 
 @dataclass(frozen=True)
@@ -89,7 +104,7 @@ class _Machine:
 _A100_80 = _Model("NVIDIA A100-SXM4-80GB", 81920, (8, 0), 7, mig_capable=True)
 _A100_40 = _Model("NVIDIA A100-SXM4-40GB", 40960, (8, 0), 7, mig_capable=True)
 _L4 = _Model("NVIDIA L4", 23034, (8, 9), 8)
-_A6000 = _Model("NVIDIA RTX A6000", 49140, (8, 6), 7)
+_A6000 = _Model("NVIDIA RTX A6000", 49140, (8, 6), 7, brand=13)
 _H100 = _Model("NVIDIA H100 80GB HBM3", 81559, (9, 0), 9, mig_capable=True)
 
 # HGX A100 baseboard: two links from every GPU to each of six NVSwitches (C4..C9).
@@ -135,7 +150,11 @@ def _pairs_4() -> _Machine:
 
 
 def _mig() -> _Machine:
-    migs = (_Mig("1g.5gb", 4864, 7), _Mig("1g.5gb", 4864, 8), _Mig("2g.10gb", 9984, 3))
+    migs = (
+        _Mig("1g.5gb", 4864, 7, slices=1, profile_id=19, placement_start=0, placement_size=1),
+        _Mig("1g.5gb", 4864, 8, slices=1, profile_id=19, placement_start=1, placement_size=1),
+        _Mig("2g.10gb", 9984, 3, slices=2, profile_id=14, placement_start=2, placement_size=2),
+    )
     return _Machine((_Slot(_A100_40, 0x07, numa=0, mig_mode=True, migs=migs), _Slot(_A100_40, 0x0F, numa=0)))
 
 
@@ -277,6 +296,7 @@ class _Expander:
         minor = f(f"{label} minor number", "nvmlDeviceGetMinorNumber", index)
         cc = f(f"{label} compute capability", "nvmlDeviceGetCudaComputeCapability", model.cc)
         arch = f(f"{label} architecture", "nvmlDeviceGetArchitecture", ARCHITECTURES[model.arch])
+        brand = f(f"{label} brand", "nvmlDeviceGetBrand", model.brand)
         persistence = f(f"{label} persistence mode", "nvmlDeviceGetPersistenceMode", True)
         ecc = f(f"{label} ECC errors", "nvmlDeviceGetTotalEccErrors", 0)
         retired = f(f"{label} retired pages", "nvmlDeviceGetRetiredPagesPendingStatus", False)
@@ -309,6 +329,9 @@ class _Expander:
             # The profiles have no remapped rows: neither pending nor failed.
             remapped_rows_pending=remapped,
             remapped_rows_failure=remapped,
+            brand=brand,
+            # No fabric: the profiles' GPUs before Hopper answer NOT_SUPPORTED, the H100 is in none; no
+            # /sys under a simulation, so no PCIe root either.
         )
 
     def mig_devices(self, parent: int, slot: _Slot, seed: int) -> tuple[MigDevice, ...]:
@@ -323,6 +346,27 @@ class _Expander:
             uuid = self.fact(f"{mlabel} UUID", "nvmlDeviceGetUUID", _mig_uuid(seed, index))
             gi = self.fact(f"{mlabel} GPU instance", "nvmlDeviceGetGpuInstanceId", mig.gpu_instance_id)
             ci = self.fact(f"{mlabel} compute instance", "nvmlDeviceGetComputeInstanceId", 0)
+            placement = self.fact(
+                f"{mlabel} GPU instance placement",
+                "nvmlGpuInstanceGetInfo",
+                MigPlacement(mig.profile_id, mig.placement_start, mig.placement_size),
+            )
+            n = mig.slices  # the fake library's defaults for a full-size compute instance
+            attributes = self.fact(
+                f"{mlabel} attributes",
+                "nvmlDeviceGetAttributes",
+                MigAttributes(
+                    multiprocessors=14 * n,
+                    copy_engines=n,
+                    decoders=n // 2,
+                    encoders=0,
+                    jpeg_engines=1 if n == 7 else 0,
+                    ofa_engines=1 if n == 7 else 0,
+                    gpu_instance_slices=n,
+                    compute_instance_slices=n,
+                    memory_mib=mig.memory_mib,
+                ),
+            )
             found.append(
                 MigDevice(
                     parent_index=parent,
@@ -333,6 +377,8 @@ class _Expander:
                     memory_total=memory,
                     gpu_instance_id=gi,
                     compute_instance_id=ci,
+                    placement=None if gi is None else placement,
+                    attributes=attributes,
                 )
             )
         return tuple(found)

@@ -219,6 +219,9 @@ struct mig {
     unsigned int gi, ci, slices, ci_slices;
     unsigned int sms, copy_engines, decoders, encoders, jpegs, ofas;
     unsigned int slot;
+    /* nvmlGpuInstanceGetInfo: the GPU instance's profile id (as `nvidia-smi mig -lgip` lists it) and
+     * placement in memory slices; defaults from A100_40GB_PROFILES and the first free placement. */
+    unsigned int profile_id, placement_start, placement_size;
 };
 
 struct gpu {
@@ -246,6 +249,10 @@ struct gpu {
     unsigned long long supported_events;
     unsigned long long registrable_events; /* what RegisterEvents takes; default supported_events */
     struct namelist unsupported;
+    /* nvmlDeviceGetGpuFabricInfo(V): NVSwitch fabric (Hopper and newer; older GPUs: NOT_SUPPORTED).
+     * fabric_state unset: SUCCESS with state NOT_SUPPORTED, as a GPU outside any fabric answers. */
+    unsigned int fabric_state, fabric_clique;
+    char fabric_cluster_uuid[NAME_LEN];
     unsigned int nmig; /* [mig] sections seen, for sequential slots */
     struct mig migs[MAX_MIG];
 };
@@ -451,6 +458,8 @@ static struct {
 
 static struct fake_device g_gpu_handles[MAX_GPUS];
 static struct fake_device g_mig_handles[MAX_GPUS][MAX_MIG];
+/* GPU instance handles (nvmlGpuInstance_t): one per slot, the slot of the instance's first MIG device. */
+static struct fake_device g_gi_handles[MAX_GPUS][MAX_MIG];
 
 /* ------------------------------------------------------------------------ */
 /* Small helpers                                                            */
@@ -717,6 +726,9 @@ static const struct keydef KEYS[] = {
     KG("supported_events", K_U64, supported_events),
     KG("registrable_events", K_U64, registrable_events),
     KG("unsupported", K_LIST, unsupported),
+    KG("fabric_state", K_U32, fabric_state),
+    KG("fabric_clique", K_U32, fabric_clique),
+    KG("fabric_cluster_uuid", K_STR, fabric_cluster_uuid),
 
     KM("name", K_STR, name),
     KM("uuid", K_STR, uuid),
@@ -733,6 +745,9 @@ static const struct keydef KEYS[] = {
     KM("jpegs", K_U32, jpegs),
     KM("ofas", K_U32, ofas),
     KM("slot", K_U32, slot),
+    KM("profile_id", K_U32, profile_id),
+    KM("placement_start", K_U32, placement_start),
+    KM("placement_size", K_U32, placement_size),
 };
 
 #define NKEYS (sizeof KEYS / sizeof KEYS[0])
@@ -858,6 +873,71 @@ static void gpu_defaults(struct gpu *g)
     g->nvlink_links = UNSET_U32;
     g->supported_events = UNSET_U64; /* finalize(): the MIG event too on a MIG-capable GPU */
     g->registrable_events = UNSET_U64; /* finalize(): supported_events */
+    g->fabric_state = UNSET_U32;
+}
+
+/* The real driver's GPU instance profiles of an A100 40GB, as `nvidia-smi mig -lgip` (id, slices,
+ * memory) and `-lgipp` (placement size in memory slices) list them: the only table the fake has;
+ * mig-create on other GPUs is refused (see README). */
+static const struct mig_profile {
+    const char *name;
+    unsigned int slices;
+    unsigned long long mib;
+    unsigned int id;
+    unsigned int placement_size;
+} A100_40GB_PROFILES[] = {
+    {"1g.5gb", 1, 4864, 19, 1},   {"2g.10gb", 2, 9984, 14, 2}, {"3g.20gb", 3, 19968, 9, 4},
+    {"4g.20gb", 4, 19968, 5, 4},  {"7g.40gb", 7, 40192, 0, 8},
+};
+
+#define A100_COMPUTE_SLICES 7
+#define A100_MEMORY_SLICES 8
+
+static const struct mig_profile *profile_by_slices(unsigned int slices)
+{
+    for (size_t i = 0; i < sizeof A100_40GB_PROFILES / sizeof A100_40GB_PROFILES[0]; i++)
+        if (A100_40GB_PROFILES[i].slices == slices)
+            return &A100_40GB_PROFILES[i];
+    return NULL;
+}
+
+/* Profile id, placement size and start of a MIG device not given them: another compute instance of
+ * the same GPU instance shares its placement; a new GPU instance takes the first start the A100
+ * allows (aligned to its size, within the 7 compute and 8 memory slices) that no other instance
+ * overlaps, as `nvidia-smi mig -cgi` without a placement does. */
+static void mig_placement(struct gpu *g, struct mig *m)
+{
+    const struct mig_profile *p = profile_by_slices(m->slices);
+    if (m->profile_id == UNSET_U32)
+        m->profile_id = p ? p->id : m->slices;
+    if (m->placement_size == UNSET_U32)
+        m->placement_size = p ? p->placement_size : m->slices;
+    if (m->placement_start != UNSET_U32)
+        return;
+    for (unsigned int s = 0; s < MAX_MIG; s++) {
+        const struct mig *o = &g->migs[s];
+        if (o != m && o->present && o->gi == m->gi && o->placement_start != UNSET_U32) {
+            m->placement_start = o->placement_start;
+            return;
+        }
+    }
+    unsigned int size = m->placement_size ? m->placement_size : 1;
+    for (unsigned int start = 0; start + size <= A100_MEMORY_SLICES; start += size) {
+        if (start + m->slices > A100_COMPUTE_SLICES)
+            break;
+        int clash = 0;
+        for (unsigned int s = 0; s < MAX_MIG && !clash; s++) {
+            const struct mig *o = &g->migs[s];
+            if (o == m || !o->present || o->gi == m->gi || o->placement_start == UNSET_U32)
+                continue;
+            clash = start < o->placement_start + o->placement_size && o->placement_start < start + size;
+        }
+        if (!clash) {
+            m->placement_start = start;
+            return;
+        }
+    }
+    m->placement_start = 0; /* a geometry the A100 would refuse: the config said so */
 }
 
 static void mig_defaults(struct mig *m)
@@ -869,6 +949,7 @@ static void mig_defaults(struct mig *m)
     m->ci_slices = UNSET_U32;
     m->sms = m->copy_engines = m->decoders = m->encoders = m->jpegs = m->ofas = UNSET_U32;
     m->slot = UNSET_U32;
+    m->profile_id = m->placement_start = m->placement_size = UNSET_U32;
 }
 
 static int finalize(struct config *cfg, char *err, size_t errn)
@@ -959,6 +1040,7 @@ static int finalize(struct config *cfg, char *err, size_t errn)
                 m->jpegs = m->slices == 7 ? 1 : 0;
             if (m->ofas == UNSET_U32)
                 m->ofas = m->slices == 7 ? 1 : 0;
+            mig_placement(g, m);
         }
     }
     return 0;
@@ -1212,19 +1294,7 @@ static int parse_target(const char *s, unsigned int *gpu, unsigned int *gi, unsi
     return 0;
 }
 
-/* MIG geometry changed at run time (mig-create / mig-destroy).  The real
- * driver's GPU instance profiles of an A100 40GB, as `nvidia-smi mig -lgip`
- * lists them: the only table the fake has, other GPUs refuse (see README). */
-static const struct mig_profile {
-    const char *name;
-    unsigned int slices;
-    unsigned long long mib;
-} A100_40GB_PROFILES[] = {
-    {"1g.5gb", 1, 4864},    {"2g.10gb", 2, 9984},  {"3g.20gb", 3, 19968},
-    {"4g.20gb", 4, 19968},  {"7g.40gb", 7, 40192},
-};
-
-#define A100_COMPUTE_SLICES 7
+/* MIG geometry changed at run time (mig-create / mig-destroy): see A100_40GB_PROFILES above. */
 static unsigned long long g_mig_serial; /* every created instance gets a new UUID */
 
 static const char *nvml_name(nvmlReturn_t rc)
@@ -1339,6 +1409,9 @@ static void mig_create(const char *line, unsigned int gpu, const char *profile, 
     m->decoders = p->slices / 2;
     m->encoders = 0;
     m->jpegs = m->ofas = p->slices == 7 ? 1 : 0;
+    m->profile_id = p->id;
+    m->placement_size = p->placement_size;
+    mig_placement(g, m);
     mig_changed(gpu);
 }
 
@@ -2094,6 +2167,126 @@ nvmlReturn_t nvmlDeviceGetAttributes_v2(nvmlDevice_t device, nvmlDeviceAttribute
     attributes->computeInstanceSliceCount = d.m->ci_slices;
     attributes->memorySizeMB = d.m->memory_total >> 20;
     END(NVML_SUCCESS);
+}
+
+typedef struct fake_device *nvmlGpuInstance_t;
+
+typedef struct {
+    unsigned int start;
+    unsigned int size;
+} nvmlGpuInstancePlacement_t;
+
+typedef struct {
+    nvmlDevice_t device;
+    unsigned int id;
+    unsigned int profileId;
+    nvmlGpuInstancePlacement_t placement;
+} nvmlGpuInstanceInfo_t;
+
+nvmlReturn_t nvmlDeviceGetGpuInstanceById(nvmlDevice_t device, unsigned int id, nvmlGpuInstance_t *gpuInstance)
+{
+    DEV_ENTER(device, gpuInstance != NULL, 0);
+    if (!d.g->mig_capable || !d.g->mig_mode)
+        END(NVML_ERROR_NOT_SUPPORTED);
+    for (unsigned int s = 0; s < MAX_MIG; s++)
+        if (d.g->migs[s].present && d.g->migs[s].gi == id) {
+            *gpuInstance = &g_gi_handles[d.gpu][s];
+            END(NVML_SUCCESS);
+        }
+    END(NVML_ERROR_NOT_FOUND);
+}
+
+nvmlReturn_t nvmlGpuInstanceGetInfo(nvmlGpuInstance_t gpuInstance, nvmlGpuInstanceInfo_t *info)
+{
+    nvmlReturn_t rc = begin(__func__);
+    if (rc != NVML_SUCCESS)
+        END(rc);
+    uintptr_t p = (uintptr_t)gpuInstance, base = (uintptr_t)g_gi_handles;
+    size_t sz = sizeof(struct fake_device);
+    if (!info || p < base || p >= base + sizeof g_gi_handles || (p - base) % sz)
+        END(NVML_ERROR_INVALID_ARGUMENT);
+    unsigned int i = (unsigned int)((p - base) / sz), gpu = i / MAX_MIG, slot = i % MAX_MIG;
+    if (gpu >= g_cfg.ngpus)
+        END(NVML_ERROR_INVALID_ARGUMENT);
+    struct gpu *g = &g_cfg.gpus[gpu];
+    if (g->lost)
+        END(NVML_ERROR_GPU_IS_LOST);
+    if (namelist_has(&g_cfg.unsupported, __func__) || namelist_has(&g->unsupported, __func__))
+        END(NVML_ERROR_NOT_SUPPORTED);
+    const struct mig *m = &g->migs[slot];
+    if (!g->mig_mode || !m->present) /* a destroyed instance: its handle is stale */
+        END(NVML_ERROR_INVALID_ARGUMENT);
+    info->device = &g_gpu_handles[gpu];
+    info->id = m->gi;
+    info->profileId = m->profile_id;
+    info->placement.start = m->placement_start;
+    info->placement.size = m->placement_size;
+    END(NVML_SUCCESS);
+}
+
+/* ------------------------------------------------------------------------ */
+/* NVSwitch fabric (nvmlDeviceGetGpuFabricInfo, nvmlDeviceGetGpuFabricInfoV)  */
+/* ------------------------------------------------------------------------ */
+
+#define NVML_GPU_FABRIC_UUID_LEN 16
+#define NVML_GPU_FABRIC_STATE_NOT_SUPPORTED 0
+#define NVML_GPU_FABRIC_INFO_V2_VERSION 0x02000024u
+#define NVML_DEVICE_ARCH_HOPPER 9
+
+typedef struct {
+    unsigned char clusterUuid[NVML_GPU_FABRIC_UUID_LEN];
+    nvmlReturn_t status;
+    unsigned int cliqueId;
+    unsigned int state;
+} nvmlGpuFabricInfo_t;
+
+typedef struct {
+    unsigned int version;
+    unsigned char clusterUuid[NVML_GPU_FABRIC_UUID_LEN];
+    nvmlReturn_t status;
+    unsigned int cliqueId;
+    unsigned int state;
+    unsigned int healthMask;
+} nvmlGpuFabricInfo_v2_t;
+
+/* The fabric facts of a GPU; NOT_SUPPORTED before Hopper, as the real library answers there. */
+static nvmlReturn_t fabric_of(const struct gpu *g, unsigned char *uuid, nvmlReturn_t *status,
+                              unsigned int *clique, unsigned int *state)
+{
+    if (g->architecture < NVML_DEVICE_ARCH_HOPPER)
+        return NVML_ERROR_NOT_SUPPORTED;
+    memset(uuid, 0, NVML_GPU_FABRIC_UUID_LEN);
+    *status = NVML_SUCCESS;
+    *clique = 0;
+    *state = NVML_GPU_FABRIC_STATE_NOT_SUPPORTED;
+    if (g->fabric_state == UNSET_U32)
+        return NVML_SUCCESS;
+    *state = g->fabric_state;
+    *clique = g->fabric_clique;
+    unsigned int n = 0; /* the UUID's hex digits, dashes skipped */
+    for (const char *c = g->fabric_cluster_uuid; *c && n < 2 * NVML_GPU_FABRIC_UUID_LEN; c++) {
+        if (!isxdigit((unsigned char)*c))
+            continue;
+        unsigned int v = (unsigned int)(isdigit((unsigned char)*c) ? *c - '0' : (tolower(*c) - 'a' + 10));
+        uuid[n / 2] = (unsigned char)(uuid[n / 2] | (n % 2 ? v : v << 4));
+        n++;
+    }
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetGpuFabricInfo(nvmlDevice_t device, nvmlGpuFabricInfo_t *info)
+{
+    DEV_ENTER(device, info != NULL, 0);
+    END(fabric_of(d.g, info->clusterUuid, &info->status, &info->cliqueId, &info->state));
+}
+
+nvmlReturn_t nvmlDeviceGetGpuFabricInfoV(nvmlDevice_t device, nvmlGpuFabricInfo_v2_t *info)
+{
+    DEV_ENTER(device, info != NULL, 0);
+    if (info->version != NVML_GPU_FABRIC_INFO_V2_VERSION)
+        END(NVML_ERROR_ARGUMENT_VERSION_MISMATCH);
+    info->healthMask = 0;
+    END(fabric_of(d.g, info->clusterUuid, &info->status, &info->cliqueId, &info->state));
 }
 
 /* ------------------------------------------------------------------------ */
