@@ -7,10 +7,10 @@ where it is, a value of the wrong type or out of range names the value. The para
 as JSON) before anything else is looked at: they come from any user who can create a claim.
 
 Which config applies to a device (`configs_for`): the allocation's config entries of this driver, the
-class's before the claim's (the scheduler copies both), later entries above earlier ones; the highest that
-names the device's request exactly wins, and a config of the wrong kind for it (a MigDeviceConfig for a
-full GPU) is an error; an entry with no `requests` applies to every request whose device its kind fits and
-is skipped for the others. A request name is matched as written: like NVIDIA's driver, a config naming
+class's before the claim's (the scheduler copies both), later entries above earlier ones; the highest entry
+that fits wins: one naming the device's request exactly (a config of the wrong kind for it, a
+MigDeviceConfig for a full GPU, is an error), or one with no `requests` whose kind fits the device (one
+that does not fit is skipped). A request name is matched as written: like NVIDIA's driver, a config naming
 `parent` does not reach a firstAvailable result `parent/sub` (only `parent/sub` does).
 """
 
