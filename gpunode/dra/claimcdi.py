@@ -122,6 +122,9 @@ def remove(host: Host, path: str, sha256: str | None) -> bool:
     A file changed since (by whom?) is left where it is, with a log line: never deleted unseen."""
     data = host.read_bytes(path)
     if data is None:
+        # Never written, or gone: the temp file of a write killed midway may be there (Host.remove_file
+        # clears those of this very file, under the directory's lock).
+        host.remove_file(path)
         return True
     if sha256 is None or hashlib.sha256(data).hexdigest() != sha256:
         log.warning("%s is not the CDI spec gpunode wrote for its claim (changed since); left in place", path)

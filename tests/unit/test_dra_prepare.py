@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -371,6 +372,11 @@ def test_sigkill_at_every_step_of_prepare(api: tuple[ApiServer, dict[str, str]],
             if not killed("prepare", root, creds=creds, ref=ref, step=step, n=n):
                 break
             kills += 1
+            # kubelet may give up on the pod instead of asking again: Unprepare alone leaves nothing.
+            given_up = tmp_path / f"{step}-{n}-unprepared"
+            shutil.copytree(root, given_up, symlinks=True)
+            assert answer(preparer(given_up, creds).unprepare([ref])) == {ref.uid: {}}
+            assert leftovers(given_up) == [], (step, n)
             restarted = preparer(root, creds)  # the driver started again
             assert answer(restarted.prepare([ref])) == reference, (step, n)
             assert "is prepared for claim ml/killed" in answer(restarted.prepare([rival]))[rival.uid]["error"]
