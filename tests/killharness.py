@@ -69,7 +69,8 @@ elif step != "none":
         return real(*args, **kwargs)
 
     setattr(holder, name, wrapped)
-
+"""
+CLI_TAIL = """
 from gpunode.cli.main import main
 
 sys.exit(main(argv))
@@ -91,7 +92,27 @@ def gpunode_process(
 ) -> int:
     """Run `gpunode --root ROOT ARGS` in a child; its exit status (-SIGKILL when the kill came)."""
     step, n = kill or ("none", 0)
-    argv = [sys.executable, "-c", CHILD, step, str(n), "--root", str(root), *args]
+    argv = [sys.executable, "-c", CHILD + CLI_TAIL, step, str(n), "--root", str(root), *args]
     return subprocess.run(
         argv, cwd=REPO, env=dict(env), capture_output=True, check=False, timeout=120
     ).returncode
+
+
+# A test's own module instead of the CLI: its `child(argv)` runs under the same kill (the DRA Preparer, which
+# has no command of its own).
+MODULE_TAIL = """
+import importlib
+
+sys.exit(importlib.import_module(argv[0]).child(argv[1:]))
+"""
+
+
+def module_process(
+    module: str, env: Mapping[str, str], *args: str, kill: tuple[str, int] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run `module.child(ARGS)` in a child, killed as gpunode_process's is; its whole outcome."""
+    step, n = kill or ("none", 0)
+    argv = [sys.executable, "-c", CHILD + MODULE_TAIL, step, str(n), module, *args]
+    return subprocess.run(
+        argv, cwd=REPO, env=dict(env), capture_output=True, text=True, check=False, timeout=120
+    )
