@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpunode import paths
-from gpunode.errors import GpunodeError
+from gpunode.errors import GpunodeError, UsageError
 from gpunode.host import Host
 
 DEFAULT = paths.PLUGIN_STATUS_FILE
@@ -204,6 +204,12 @@ def find(
     if flag:
         places = [Place(flag, f"flag {FLAG}")]
     elif env.get(ENV):
+        if not env[ENV].startswith("/"):
+            # Host paths are absolute (a relative one would be read relative to gpunode's own directory).
+            raise UsageError(
+                f"{ENV}={env[ENV][:80]!r} is not an absolute path",
+                f"set {ENV} to the absolute path the plugin was started with (or unset it), then run again",
+            )
         places = [Place(env[ENV], f"env {ENV}")]
     else:
         places = _unit_environment(host, unit, unit_properties)

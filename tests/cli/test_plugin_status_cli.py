@@ -150,3 +150,13 @@ def test_a_status_file_of_the_wrong_shape_is_named_not_a_crash(
     code = main(["plugin", "status", "--status-file", "/srv/s.json", "--json"], host=no_systemd(tmp_path))
     doc = json.loads(capsys.readouterr().out)
     assert code == ExitCode.UNHEALTHY and not doc["ready"] and named in doc["problem"]
+
+
+def test_a_relative_status_file_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Host paths are absolute: a relative one ended in ValueError, exit 70 (the flag is refused by its click
+    # type; the environment variable here).
+    host = no_systemd(tmp_path, env={"GPUNODE_PLUGIN_STATUS_FILE": "rel.json"})
+    code = main(["plugin", "status"], host=host)
+    err = capsys.readouterr().err
+    assert code == ExitCode.USAGE, err
+    assert "GPUNODE_PLUGIN_STATUS_FILE='rel.json' is not an absolute path" in err and "fix: set" in err
