@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from pathlib import PurePosixPath
 from typing import Any
 
-from gpunode.errors import ConfigError
+from gpunode.errors import ConfigError, GpunodeError
 from gpunode.host import Host
 from gpunode.runtimes.model import DEFAULT_NVIDIA_RUNTIME_NAME, RuntimeConfigState
 
@@ -32,6 +32,17 @@ READS_BOM_SINCE = (23, 0)
 # passes such a file; 20.10 does not know the shim keys and ignores them.
 SHIM_RUNTIME_KEYS = ("runtimeType", "options")
 SHIMS_SINCE = (23, 0)
+
+
+def is_daemon_json(host: Host, config: str | None) -> bool:
+    """Whether `--config` names the file dockerd reads, however spelled (`/etc/docker/./daemon.json`, a
+    link): compared as canonical paths, as the restart's reader does (gpunode.runtimes.reader)."""
+    if config is None:
+        return True
+    try:
+        return host.canonical(config) == host.canonical(DAEMON_JSON)
+    except (GpunodeError, OSError, ValueError):  # a link loop: not dockerd's file either
+        return False
 
 
 def split_bom(text: str) -> tuple[str, str]:

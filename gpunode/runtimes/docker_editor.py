@@ -153,7 +153,7 @@ def plan_docker(host: Host, opts: ConfigureOptions) -> RuntimePlan:
         messages=tuple(messages),
         unit=UNIT,
         socket=SOCKET,
-        standard_location=opts.config in (None, docker.DAEMON_JSON),
+        standard_location=docker.is_daemon_json(host, opts.config),
         expect=(opts.runtime_name, opts.set_as_default),
     )
 
