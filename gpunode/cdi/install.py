@@ -143,6 +143,7 @@ def render_path_unit(options: GenerateOptions) -> str:
 def plan_install(
     host: Host, options: GenerateOptions, executable: str, *, restrict_envvar: bool
 ) -> InstallPlan:
+    enable.require_program(host, executable, "cdi install")
     record = _units_record(host)
     notes: list[str] = []
     files = [
