@@ -193,3 +193,25 @@ def test_k3s_release_is_never_asked_of_the_roots_program(
     # Unknown, the conservative choice: no base template is assumed, and a copy of k3s's generated file
     # is not edited (k3s would replace it).
     assert code == ExitCode.CONFIG and "k3s (version unknown) has no base template" in err
+
+
+def test_the_roots_crio_is_never_run(
+    tmp_path: Path, machine: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `crio config` (CRI-O's own view) ran R's binary, by its path in R, as root on this machine.
+    import socket
+
+    root = tmp_path / "root"
+    program(root / "usr/bin", "crio", f'echo "R crio $*" >> {tmp_path / "calls"}\n')
+    program(root / "usr/bin", "crio-status", f'echo "R crio-status $*" >> {tmp_path / "calls"}\n')
+    put(root, "/etc/crio/crio.conf", "")
+    (root / "var/run/crio").mkdir(parents=True)
+    with socket.socket(socket.AF_UNIX) as listening:  # a running CRI-O's socket in R
+        listening.bind(str(root / "var/run/crio/crio.sock"))
+        code, _, err = cli(root, capsys, "crio", "--no-restart")
+        assert code == ExitCode.OK, err
+        code, _, err = cli(root, capsys, "crio", "--no-restart", "--effective")
+        assert code == ExitCode.USAGE and "under --root gpunode runs no program" in err
+        main(["doctor", "--json"], host=Host(root=root, euid=0))
+        capsys.readouterr()
+    assert calls(tmp_path) == []
