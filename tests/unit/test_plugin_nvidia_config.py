@@ -827,3 +827,12 @@ def test_show_config_names_nvidias_variable_as_the_origin(
     assert code == ExitCode.OK
     assert 'mig-strategy = "mixed"  # from: env MIG_STRATEGY' in out.splitlines()
     assert "pass-device-specs = true  # from: env PASS_DEVICE_SPECS" in out.splitlines()
+
+
+def test_a_huge_imex_channel_value_is_quoted_short(tmp_path: Path) -> None:
+    # The error echoed the whole 5,000-digit value.
+    with pytest.raises(ConfigError) as caught:
+        load_config(Host(root=tmp_path, env={}), env={"GPUNODE_IMEX_CHANNEL_IDS": "9" * 5000})
+    message = caught.value.message
+    assert "IMEX channel IDs must be [] or [0]" in message and "(5002 characters)" in message
+    assert len(message) < 300
