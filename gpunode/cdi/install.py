@@ -36,7 +36,7 @@ from gpunode.cdi.hostfacts import LD_CACHE
 from gpunode.errors import ConfigError, GpunodeError
 from gpunode.host import Host
 from gpunode.systemd import enable
-from gpunode.systemd.unitsyntax import check_value, exec_start, path_setting
+from gpunode.systemd.unitsyntax import absolute_path, check_value, exec_start, path_setting
 
 SERVICE = "gpunode-cdi.service"
 PATH_UNIT = "gpunode-cdi.path"
@@ -143,6 +143,9 @@ def render_path_unit(options: GenerateOptions) -> str:
 def plan_install(
     host: Host, options: GenerateOptions, executable: str, *, restrict_envvar: bool
 ) -> InstallPlan:
+    for option, value in (("--driver-root", options.driver_root), ("--dev-root", options.dev_root)):
+        if value:  # checked as given, before a path is derived from it (the error then names the value)
+            absolute_path(option, value)
     enable.require_program(host, executable, "cdi install")
     record = _units_record(host)
     notes: list[str] = []
