@@ -42,7 +42,10 @@ SERVICE = "gpunode-cdi.service"
 PATH_UNIT = "gpunode-cdi.path"
 UNIT_DIR = "/etc/systemd/system"
 ENV_FILE = "/etc/default/gpunode-cdi"
-BACKUP_DIR = "/var/lib/gpunode/backup"
+BACKUP_DIR = "/var/lib/gpunode/backups"  # where every gpunode command keeps the files it replaced
+OLD_BACKUP_DIR = (
+    "/var/lib/gpunode/backup"  # where gpunode before issue 23 kept the toolkit's config: read too
+)
 # What `cdi install` wrote into each unit (a sha256 of the bytes) and where the file it replaced was kept:
 # uninstall deletes a unit only while it is still those bytes, and puts the original back.
 UNITS_RECORD = "/var/lib/gpunode/cdi-units.json"
@@ -338,7 +341,7 @@ def plan_uninstall(host: Host, options: GenerateOptions) -> UninstallPlan:
                 notes.append(f"{unit} is put back from {entry['backup']} (the unit `cdi install` replaced)")
     for spec in _spec_paths(host, options.path):
         _plan_spec(host, spec, remove=remove, restore=restore, restored_from=restored_from, notes=notes)
-    backup = f"{BACKUP_DIR}{TOOLKIT_CONFIG}"
+    backup = _toolkit_backup(host)
     original = _read(host, backup)
     current = _read(host, TOOLKIT_CONFIG)
     if original is not None and current is not None:
@@ -386,6 +389,13 @@ def _remove_unit(
     _write_units_record(host, record)
     if original is not None:
         host.remove_file(original[1])  # no longer the only copy
+
+
+def _toolkit_backup(host: Host) -> str:
+    """The backup of the toolkit's config: in the backups directory, or where an older gpunode kept it."""
+    backup = f"{BACKUP_DIR}{TOOLKIT_CONFIG}"
+    old = f"{OLD_BACKUP_DIR}{TOOLKIT_CONFIG}"
+    return old if not host.exists(backup) and host.exists(old) else backup
 
 
 def _spec_paths(host: Host, default: str) -> list[str]:
@@ -465,7 +475,7 @@ def apply_uninstall(host: Host, plan: UninstallPlan) -> None:
             host.remove_file(backups[path])  # the original is in place again: no longer the only copy
             continue
         host.write_file(path, original, expect=_with_envvar_off(original))
-        host.remove_file(f"{BACKUP_DIR}{path}")
+        host.remove_file(_toolkit_backup(host))
     for path in plan.remove:
         if not path.startswith(f"{UNIT_DIR}/"):
             ownership.forget(host, path, None)
