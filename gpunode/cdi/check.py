@@ -259,8 +259,16 @@ def _paths(host: Host, written: dict[str, Any]) -> Iterator[Finding]:
 
 def _conflicts(host: Host, options: GenerateOptions) -> Iterator[Finding]:
     files = read_specs(host)
-    ours = host.canonical(options.path)
-    broken = [f for f in files if f.problems and host.canonical(f.path) != ours]
+
+    def canonical(path: str) -> str:
+        # A foreign link loop in /etc/cdi is a file the runtimes skip (a warning below), not a failed run.
+        try:
+            return host.canonical(path)
+        except GpunodeError:
+            return path
+
+    ours = canonical(options.path)
+    broken = [f for f in files if f.problems and canonical(f.path) != ours]
     for f in broken:
         yield Finding(
             "cdi.files",
@@ -270,12 +278,12 @@ def _conflicts(host: Host, options: GenerateOptions) -> Iterator[Finding]:
             f"fix or remove {f.path}",
         )
     listed = list_devices(files)
-    ours_devices = {d.name for d in listed if host.canonical(d.path) == ours}
+    ours_devices = {d.name for d in listed if canonical(d.path) == ours}
     trouble: list[str] = []
     status = Status.OK
     for device in listed:
-        if device.name not in ours_devices or host.canonical(device.path) == ours:
-            if host.canonical(device.path) == ours and device.state != "ok":
+        if device.name not in ours_devices or canonical(device.path) == ours:
+            if canonical(device.path) == ours and device.state != "ok":
                 status = Status.FAIL
                 trouble.append(f"{device.name}: gpunode's definition is {device.state} ({device.detail})")
             continue
@@ -288,7 +296,7 @@ def _conflicts(host: Host, options: GenerateOptions) -> Iterator[Finding]:
             "cdi.conflicts", Status.OK, "no other spec in /etc/cdi or /var/run/cdi defines gpunode's devices"
         )
         return
-    others = sorted({d.path for d in listed if d.name in ours_devices and host.canonical(d.path) != ours})
+    others = sorted({d.path for d in listed if d.name in ours_devices and canonical(d.path) != ours})
     yield Finding(
         "cdi.conflicts",
         status,

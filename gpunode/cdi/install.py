@@ -24,7 +24,10 @@ no longer selects GPUs; only what it was allocated (CDI, volume mounts) does.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 from gpunode.cdi import ownership
 from gpunode.cdi.check import ENVVAR_KEY, TOOLKIT_CONFIG, envvar_setting
@@ -33,13 +36,20 @@ from gpunode.cdi.hostfacts import LD_CACHE
 from gpunode.errors import ConfigError, GpunodeError
 from gpunode.host import Host
 from gpunode.systemd import enable
-from gpunode.systemd.unitsyntax import check_value, exec_start, path_setting
+from gpunode.systemd.unitsyntax import absolute_path, check_value, exec_start, path_setting
 
 SERVICE = "gpunode-cdi.service"
 PATH_UNIT = "gpunode-cdi.path"
 UNIT_DIR = "/etc/systemd/system"
 ENV_FILE = "/etc/default/gpunode-cdi"
-BACKUP_DIR = "/var/lib/gpunode/backup"
+BACKUP_DIR = "/var/lib/gpunode/backups"  # where every gpunode command keeps the files it replaced
+OLD_BACKUP_DIR = (
+    "/var/lib/gpunode/backup"  # where gpunode before issue 23 kept the toolkit's config: read too
+)
+# What `cdi install` wrote into each unit (a sha256 of the bytes) and where the file it replaced was kept:
+# uninstall deletes a unit only while it is still those bytes, and puts the original back.
+UNITS_RECORD = "/var/lib/gpunode/cdi-units.json"
+UNIT_BACKUP_DIR = "/var/lib/gpunode/backups"  # as `plugin install` keeps the files it replaced
 SYSTEMCTL_TIMEOUT = 60.0
 
 
@@ -48,6 +58,9 @@ class FileChange:
     path: str
     content: str
     old: str | None
+    # Where the file this replaces is copied first: a unit gpunode did not write (or not these bytes), the
+    # toolkit's config. Never the only copy lost.
+    backup: str | None = None
 
     @property
     def changed(self) -> bool:
@@ -133,15 +146,16 @@ def render_path_unit(options: GenerateOptions) -> str:
 def plan_install(
     host: Host, options: GenerateOptions, executable: str, *, restrict_envvar: bool
 ) -> InstallPlan:
-    files = [
-        FileChange(
-            f"{UNIT_DIR}/{SERVICE}", render_service(executable, options), _read(host, f"{UNIT_DIR}/{SERVICE}")
-        ),
-        FileChange(
-            f"{UNIT_DIR}/{PATH_UNIT}", render_path_unit(options), _read(host, f"{UNIT_DIR}/{PATH_UNIT}")
-        ),
-    ]
+    for option, value in (("--driver-root", options.driver_root), ("--dev-root", options.dev_root)):
+        if value:  # checked as given, before a path is derived from it (the error then names the value)
+            absolute_path(option, value)
+    enable.require_program(host, executable, "cdi install")
+    record = _units_record(host)
     notes: list[str] = []
+    files = [
+        _unit_change(host, record, f"{UNIT_DIR}/{SERVICE}", render_service(executable, options), notes),
+        _unit_change(host, record, f"{UNIT_DIR}/{PATH_UNIT}", render_path_unit(options), notes),
+    ]
     if restrict_envvar:
         old = _read(host, TOOLKIT_CONFIG)
         if old is None:
@@ -149,7 +163,9 @@ def plan_install(
                 f"{TOOLKIT_CONFIG} does not exist: install nvidia-container-toolkit, then run this again"
             )
         elif envvar_setting(old) is not False:
-            files.append(FileChange(TOOLKIT_CONFIG, _with_envvar_off(old), old))
+            files.append(
+                FileChange(TOOLKIT_CONFIG, _with_envvar_off(old), old, f"{BACKUP_DIR}{TOOLKIT_CONFIG}")
+            )
     if host.offline or not host.is_dir("/run/systemd/system"):
         # Nothing to ask a systemd: under --root this machine's is not the root's, and with none running
         # (an image being built) there is nothing to reload or start. Enabling is the links `systemctl
@@ -179,6 +195,61 @@ def plan_install(
     return InstallPlan(tuple(files), tuple(commands), tuple(notes))
 
 
+def _unit_change(
+    host: Host, record: dict[str, dict[str, Any]], path: str, content: str, notes: list[str]
+) -> FileChange:
+    """A unit to write; one that is there and is not what gpunode last wrote (another tool's, or edited by
+    the operator) is kept first in the backups, and put back by `cdi uninstall`."""
+    old = _read_unit(host, path)
+    entry = record.get(path, {})
+    if old is None or old == content or entry.get("written_sha256") == _digest(old):
+        return FileChange(path, content, old, entry.get("backup"))
+    backup = f"{UNIT_BACKUP_DIR}{path}"
+    kept = _read(host, backup)
+    if kept is not None and kept != old:  # an earlier original is kept there: never overwritten
+        backup = f"{backup}.{_digest(old)[:12]}"
+    notes.append(f"{path} was not written by gpunode: it is kept in {backup} (`cdi uninstall` puts it back)")
+    return FileChange(path, content, old, backup)
+
+
+def _read_unit(host: Host, path: str) -> str | None:
+    """A unit's text; one that cannot be read is refused (it could not be kept before being replaced)."""
+    return host.read_text_if_exists(path)
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _units_record(host: Host) -> dict[str, dict[str, Any]]:
+    """The units gpunode wrote: {path: {"written_sha256", "backup"}}; a damaged record knows nothing (its
+    units are then kept by uninstall, never deleted)."""
+    try:
+        text = host.read_text_if_exists(UNITS_RECORD)
+        data = json.loads(text) if text else {}
+    except (GpunodeError, ValueError, RecursionError):
+        return {}
+    units = data.get("units") if isinstance(data, dict) else None
+    if not isinstance(units, dict):
+        return {}
+    return {
+        str(k): {
+            "written_sha256": v.get("written_sha256") if isinstance(v.get("written_sha256"), str) else None,
+            "backup": v.get("backup") if isinstance(v.get("backup"), str) else None,
+        }
+        for k, v in units.items()
+        if isinstance(v, dict)
+    }
+
+
+def _write_units_record(host: Host, units: dict[str, dict[str, Any]]) -> None:
+    if not units:
+        host.remove_file(UNITS_RECORD)
+        return
+    text = json.dumps({"version": 1, "units": units}, indent=2, sort_keys=True) + "\n"
+    host.write_file(UNITS_RECORD, text, mode=0o600, make_parents=True)
+
+
 def _with_envvar_off(text: str) -> str:
     import tomlkit
 
@@ -198,15 +269,22 @@ def _read(host: Host, path: str) -> str | None:
 
 
 def apply_install(host: Host, plan: InstallPlan) -> None:
+    record = _units_record(host)
     for change in plan.files:
         if not change.changed:
             continue
-        backup = (
-            f"{BACKUP_DIR}{change.path}" if change.old is not None and change.path == TOOLKIT_CONFIG else None
-        )
+        backup = change.backup if change.old is not None else None
         host.write_file(
             change.path, change.content, mode=0o644, make_parents=True, backup_to=backup, expect=change.old
         )
+        if change.path.startswith(f"{UNIT_DIR}/"):
+            # Recorded right after each write: a run stopped halfway still knows the unit it wrote.
+            record[change.path] = {"written_sha256": _digest(change.content), "backup": change.backup}
+            _write_units_record(host, record)
+    for change in plan.files:  # a re-run that wrote nothing still records units from before the record
+        if change.path.startswith(f"{UNIT_DIR}/") and change.path not in record and not change.changed:
+            record[change.path] = {"written_sha256": _digest(change.content), "backup": None}
+            _write_units_record(host, record)
     enable.apply(host, plan.links)
     for argv in plan.commands:
         host.run(argv, timeout=SYSTEMCTL_TIMEOUT).check()
@@ -238,20 +316,32 @@ def plan_uninstall(host: Host, options: GenerateOptions) -> UninstallPlan:
     gpunode set it."""
     remove: list[str] = []
     notes: list[str] = []
-    units = [f"{UNIT_DIR}/{SERVICE}", f"{UNIT_DIR}/{PATH_UNIT}"]
-    for unit in units:
-        text = _read(host, unit)
-        if text is None:
-            continue
-        if "gpunode" in text:
-            remove.append(unit)
-        else:
-            notes.append(f"{unit} was not written by gpunode: left in place")
     restore: list[tuple[str, str]] = []
     restored_from: list[tuple[str, str]] = []
+    units = [f"{UNIT_DIR}/{SERVICE}", f"{UNIT_DIR}/{PATH_UNIT}"]
+    record = _units_record(host)
+    for unit in units:
+        text = _read(host, unit)
+        entry = record.get(unit)
+        if text is None:
+            continue
+        if entry is None:
+            notes.append(f"{unit} was not written by gpunode (no record in {UNITS_RECORD}): left in place")
+        elif entry["written_sha256"] != _digest(text):
+            notes.append(f"{unit} was changed after gpunode wrote it: left in place")
+        elif entry["backup"] is None:
+            remove.append(unit)
+        else:
+            original = _read(host, entry["backup"])
+            if original is None:
+                notes.append(f"{unit}: the backup {entry['backup']} of the unit it replaced is gone; kept")
+            else:
+                restore.append((unit, original))
+                restored_from.append((unit, entry["backup"]))
+                notes.append(f"{unit} is put back from {entry['backup']} (the unit `cdi install` replaced)")
     for spec in _spec_paths(host, options.path):
         _plan_spec(host, spec, remove=remove, restore=restore, restored_from=restored_from, notes=notes)
-    backup = f"{BACKUP_DIR}{TOOLKIT_CONFIG}"
+    backup = _toolkit_backup(host)
     original = _read(host, backup)
     current = _read(host, TOOLKIT_CONFIG)
     if original is not None and current is not None:
@@ -265,18 +355,47 @@ def plan_uninstall(host: Host, options: GenerateOptions) -> UninstallPlan:
     commands: list[tuple[str, ...]] = []
     if host.offline or not host.is_dir("/run/systemd/system"):
         # As in plan_install: the links removed here, never through `systemctl --root=`.
-        gone = [unit.rsplit("/", 1)[1] for unit in units if unit in remove]
+        gone = [unit.rsplit("/", 1)[1] for unit in units if unit in remove or unit in dict(restore)]
         links = tuple(link for unit in gone for link in enable.disable_links(host, unit))
         offline = host.offline and gone
         steps = (("systemctl", "stop", *gone), ("systemctl", "daemon-reload")) if offline else ()
         return UninstallPlan(
             tuple(remove), tuple(restore), (), tuple(notes), links, steps, restored_from=tuple(restored_from)
         )
-    if any(u in remove for u in units):
+    if any(u in remove or u in dict(restore) for u in units):
         commands = [("systemctl", "disable", "--now", PATH_UNIT, SERVICE), ("systemctl", "daemon-reload")]
     return UninstallPlan(
         tuple(remove), tuple(restore), tuple(commands), tuple(notes), restored_from=tuple(restored_from)
     )
+
+
+def _remove_unit(
+    host: Host, record: dict[str, dict[str, Any]], unit: str, original: tuple[str, str] | None
+) -> None:
+    """Delete a unit gpunode wrote (or put back the one it replaced), only while it is still gpunode's
+    bytes; the backup goes only once the original is in place again."""
+    text = _read(host, unit)
+    entry = record.get(unit)
+    if text is None or entry is None or entry["written_sha256"] != _digest(text):
+        raise ConfigError(
+            f"{unit} changed since the plan: it is no longer the unit gpunode wrote; left as it is",
+            "run `gpunode cdi uninstall` again",
+        )
+    if original is None:
+        host.remove_file(unit)
+    else:
+        host.write_file(unit, original[0], expect=text)
+    del record[unit]
+    _write_units_record(host, record)
+    if original is not None:
+        host.remove_file(original[1])  # no longer the only copy
+
+
+def _toolkit_backup(host: Host) -> str:
+    """The backup of the toolkit's config: in the backups directory, or where an older gpunode kept it."""
+    backup = f"{BACKUP_DIR}{TOOLKIT_CONFIG}"
+    old = f"{OLD_BACKUP_DIR}{TOOLKIT_CONFIG}"
+    return old if not host.exists(backup) and host.exists(old) else backup
 
 
 def _spec_paths(host: Host, default: str) -> list[str]:
@@ -332,11 +451,17 @@ def apply_uninstall(host: Host, plan: UninstallPlan) -> None:
         if argv != reload_cmd:
             host.run(argv, timeout=SYSTEMCTL_TIMEOUT).check()
     enable.apply(host, plan.links)
+    record = _units_record(host)
     for path in plan.remove:
-        if path.startswith(f"{UNIT_DIR}/") or ownership.current(host, path).ours:  # still gpunode's bytes
+        if path.startswith(f"{UNIT_DIR}/"):
+            _remove_unit(host, record, path, None)
+        elif ownership.current(host, path).ours:  # still gpunode's bytes
             host.remove_file(path)
     backups = dict(plan.restored_from)
     for path, original in plan.restore:
+        if path.startswith(f"{UNIT_DIR}/"):
+            _remove_unit(host, record, path, (original, backups[path]))
+            continue
         if path in backups:
             now = ownership.current(host, path)
             if not now.ours or now.data is None:
@@ -350,7 +475,7 @@ def apply_uninstall(host: Host, plan: UninstallPlan) -> None:
             host.remove_file(backups[path])  # the original is in place again: no longer the only copy
             continue
         host.write_file(path, original, expect=_with_envvar_off(original))
-        host.remove_file(f"{BACKUP_DIR}{path}")
+        host.remove_file(_toolkit_backup(host))
     for path in plan.remove:
         if not path.startswith(f"{UNIT_DIR}/"):
             ownership.forget(host, path, None)

@@ -5,8 +5,9 @@ nvidia-ctk's spec, and a spec path that is a link to /etc/important.conf would o
 A spec is gpunode's when its text starts with gpunode's header (YAML: `# Written by gpunode ...`), or when
 the record (/var/lib/gpunode/cdi-specs.json, by canonical path) says gpunode last wrote exactly these bytes
 (JSON has no comments, so the record is how its JSON specs are known). Anything else is replaced only with
-`--force`, which first copies it to /var/lib/gpunode/backup/cdi/<path>.<sha256 prefix> (named by content,
-so a later forced write never overwrites an earlier backup) and records where.
+`--force`, which first copies it to /var/lib/gpunode/backups/<path>.<sha256 prefix> (named by content,
+so a later forced write never overwrites an earlier backup) and records where. (gpunode before issue 23
+used /var/lib/gpunode/backup/cdi/: those backups are recorded by their full path and still found.)
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from gpunode.host import MAX_READ, Host
 
 MARKER = "# Written by gpunode"  # the first line of every YAML spec gpunode writes (generate.py's header)
 RECORD = "/var/lib/gpunode/cdi-specs.json"
-BACKUP_DIR = "/var/lib/gpunode/backup/cdi"  # beside `cdi install`'s backup of the toolkit's config
+BACKUP_DIR = "/var/lib/gpunode/backups"  # where every gpunode command keeps the files it replaced
 FORMAT_VERSION = 1
 
 

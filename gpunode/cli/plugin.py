@@ -331,7 +331,9 @@ def run(
         "node_name": node_name,
     }
     if show_config or as_json:
-        _show_config(app_state.host, config, flags, as_json=as_json, show_config=show_config)
+        _show_config(
+            app_state.host, config, flags, as_json=as_json, show_config=show_config, simulate=simulate
+        )
         return
 
     from gpunode.plugin.argv import check_flags
@@ -642,7 +644,13 @@ def _state_json(current: Any) -> dict[str, Any]:
 
 
 def _show_config(
-    host: Any, config: str | None, flags: dict[str, Any], *, as_json: bool, show_config: bool
+    host: Any,
+    config: str | None,
+    flags: dict[str, Any],
+    *,
+    as_json: bool,
+    show_config: bool,
+    simulate: str | None = None,
 ) -> None:
     import os
 
@@ -657,6 +665,10 @@ def _show_config(
     from gpunode.plugin.argv import check_flags
 
     check_flags(flags)  # a usage error (in the JSON document too), before the config file is read
+    if simulate:  # refused as `plugin run --simulate` refuses it, never ignored (exit 2, the names listed)
+        from gpunode.plugin.runner import inventory_source
+
+        inventory_source(host, simulate)
     resolved = load_config(host, config_path=config, env=os.environ, flags=flags)
     if not as_json:
         click.echo(to_toml(resolved), nl=False)

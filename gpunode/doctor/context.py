@@ -93,9 +93,9 @@ def program_version(host: Host, program: str) -> tuple[str | None, str | None]:
 def program_probe(host: Host, program: str) -> tuple[str | None, str | None, str]:
     """(host path, version, where the version was asked) of a program; the path None when not installed.
 
-    The rule of gpunode.runtimes.probe: the binary asked is the one found under the Host's root, run by
-    its path there. Under --root R that is R's own binary (R/usr/bin/nvidia-ctk), never this machine's
-    program of the same name or host path, which may be another release or absent."""
+    The rule of gpunode.runtimes.probe: on the real root the installed program is asked. Under --root R
+    no program runs (neither this machine's, another release or absent, nor R's own, which may be
+    untrusted): the version is what R's package database says, else unknown."""
     from gpunode.runtimes import probe
 
     path = host.which(program)

@@ -36,11 +36,12 @@ def check_toolkit(ctx: Context) -> Iterable[Finding]:
 
 
 def _probed(host: Host, found: dict[str, tuple[str | None, str | None, str]]) -> str | None:
-    """Under --root, where each version was asked: R's own programs, never this machine's."""
+    """Under --root, where each version came from: R's package database, never a program run (neither this
+    machine's nor R's own: gpunode.runtimes.probe)."""
     if host.is_real_root:
         return None
-    return "versions asked of the programs in the root, never this machine's: " + "; ".join(
-        f"{where}" + ("" if version else " (no version answered)") for _, version, where in found.values()
+    return "under --root gpunode runs no program, this machine's or the image's: " + "; ".join(
+        f"{where}" + ("" if version else " (version unknown)") for _, version, where in found.values()
     )
 
 
@@ -67,11 +68,11 @@ def read_runtime_state(host: Host, runtime: str) -> RuntimeConfigState:
 
 
 def _docker_probed_in_root(host: Host, state: RuntimeConfigState) -> RuntimeConfigState:
-    """Under --root, say which dockerd judged the file, where its version decides (a BOM, shim keys next to
-    a path): R's own, by its path in R (gpunode.runtimes.probe), never this machine's. One that gives no
-    version (a binary for another architecture) leaves it unknown, and unknown counts as refused, as
-    configure-runtime judges it; with no dockerd in R docker is not installed there (runtime.docker is
-    skipped), and configure-runtime judges as the newest dockerd it knows."""
+    """Under --root, say where dockerd's version came from, where it decides (a BOM, shim keys next to a
+    path): R's package database (gpunode.runtimes.probe); no program runs, this machine's or R's. Without
+    one that names it the version is unknown, and unknown counts as refused; with no dockerd in R docker
+    is not installed there (runtime.docker is skipped), and configure-runtime judges as the newest dockerd
+    it knows."""
     from dataclasses import replace
 
     from gpunode.runtimes import docker, probe
@@ -85,7 +86,7 @@ def _docker_probed_in_root(host: Host, state: RuntimeConfigState) -> RuntimeConf
     version = docker.installed_dockerd_version(host)
     where = probe.locate(host, "dockerd").where
     said = f"{version[0]}.{version[1]}" if version else "no version (unknown: judged as refusing)"
-    note = f"dockerd's version asked of {where} (under --root, never this machine's dockerd): {said}"
+    note = f"dockerd's version under --root (no program run, this machine's or the image's): {where}: {said}"
     return replace(state, notes=(*state.notes, note))
 
 

@@ -136,9 +136,12 @@ class Credentials:
 
 def redact_url(url: str) -> str:
     """A URL for messages and reprs: its password (a proxy's, say) replaced by ***."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
+    try:
+        parts = urlsplit(url)
+        if parts.password is None:
+            return url
+    except ValueError:  # `https://[::1`: not a URL at all; shown without what may be a password
+        return "<not a URL>"
     host = parts.netloc.rsplit("@", 1)[1]
     return parts._replace(netloc=f"{parts.username or ''}:***@{host}").geturl()
 
@@ -263,7 +266,13 @@ def _normalise_server(url: str, where: str) -> str:
         )
     if "://" not in candidate:
         candidate = f"https://{candidate}"
-    parts = urlsplit(candidate)
+    try:
+        parts = urlsplit(candidate)
+    except ValueError as exc:  # an unclosed IPv6 bracket (`https://[::1`)
+        raise error(
+            f"{where}: server {redact_url(url)!r} is not an API server URL ({exc})",
+            "give the server as https://HOST:PORT (an IPv6 address in brackets: https://[::1]:6443)",
+        ) from exc
     if "@" in parts.netloc:
         # requests would send it as basic authentication, which Kubernetes no longer accepts; and a
         # password has no place in a URL that messages show.
@@ -474,7 +483,14 @@ def _cluster(host: Host, cluster: _Named) -> tuple[str, Pem | bool, str | None]:
         log.debug("%s: tls-server-name is not supported and is ignored", cluster.where())
 
     proxy = _string(cluster, "proxy-url")
-    if proxy and urlsplit(proxy).scheme not in ("http", "https"):
+    try:
+        scheme = urlsplit(proxy).scheme if proxy else None
+    except ValueError as exc:  # an unclosed IPv6 bracket (`socks5://[::1`)
+        raise ConfigError(
+            f"{cluster.where()}: proxy-url is not a URL ({exc})",
+            "give proxy-url as http://HOST:PORT or https://HOST:PORT (an IPv6 address in brackets)",
+        ) from exc
+    if proxy and scheme not in ("http", "https"):
         raise ConfigError(
             f"{cluster.where()}: proxy-url {proxy} is not supported (only http:// and https:// proxies)"
         )

@@ -260,8 +260,10 @@ def _channel_ids(value: Any, where: str) -> tuple[int, ...]:
             items = [_digits(p) if _digits(p) is not None else p.strip() for p in text.split(",")]
     # NVIDIA's plugin takes only [] or [0] (api/config/v1/imex.go, AssertChannelIDsValid).
     if not isinstance(items, list) or items not in ([], [0]) or any(isinstance(i, bool) for i in items):
+        from gpunode.safeyaml import shorten  # a 5,000-digit value is quoted short, not whole
+
         raise ConfigError(
-            f"{where}: {value!r}: IMEX channel IDs must be [] or [0]", "use [0], or leave it out"
+            f"{where}: {shorten(repr(value))}: IMEX channel IDs must be [] or [0]", "use [0], or leave it out"
         )
     return tuple(items)
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpunode import paths
-from gpunode.errors import GpunodeError
+from gpunode.errors import GpunodeError, UsageError
 from gpunode.host import Host
 
 DEFAULT = paths.PLUGIN_STATUS_FILE
@@ -119,9 +119,68 @@ def _split(text: str) -> list[str]:
         return []
 
 
+PID_MAX = 4194304  # the kernel's largest pid_max (2^22): a larger pid was never a process's
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _optional(kind: type) -> Any:
+    return lambda v: v is None or isinstance(v, kind)
+
+
+# The document the plugin writes (runner.StatusWriter): each key's check, when the key is there. A file of
+# another shape (hand-edited, another program's) is "not a plugin status document", never a crash.
+_TOP: dict[str, Any] = {
+    "pid": lambda v: _is_int(v) and 1 <= v <= PID_MAX,
+    "ready": lambda v: isinstance(v, bool),
+    "waiting_for": _optional(str),
+    "nvml_error": _optional(str),
+    "summary": _optional(str),
+}
+_RESOURCE: dict[str, Any] = {
+    "name": _optional(str),
+    "socket": _optional(str),
+    "devices": _is_int,
+    "healthy": _is_int,
+    "registered": lambda v: isinstance(v, bool),
+    "refused": _optional(str),
+    "unmonitored": _is_int,
+    "sharing": _optional(str),
+    "down": _optional(str),
+}
+_UNMONITORED: dict[str, Any] = {"index": _is_int, "uuid": _optional(str), "reason": _optional(str)}
+
+
+def shape_problem(document: dict[str, Any]) -> str | None:
+    """What is wrong with a status document's shape (the key named), or None."""
+    for key, ok in _TOP.items():
+        if key in document and not ok(document[key]):
+            return f"its {key!r} is {_shown(document[key])}" + (
+                f" (a pid is an integer from 1 to {PID_MAX})" if key == "pid" else ""
+            )
+    for key, fields in (("resources", _RESOURCE), ("unmonitored", _UNMONITORED)):
+        items = document.get(key, [])
+        if not isinstance(items, list):
+            return f"its {key!r} is not a list"
+        for n, item in enumerate(items):
+            if not isinstance(item, dict):
+                return f"{key}[{n}] is {_shown(item)}, not an object"
+            for field_name, ok in fields.items():
+                if field_name in item and not ok(item[field_name]):
+                    return f"{key}[{n}].{field_name} is {_shown(item[field_name])}"
+    return None
+
+
+def _shown(value: object) -> str:
+    text = json.dumps(value) if not isinstance(value, float) else repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _pid_running(pid: object) -> bool | None:
     # The pid is of the plugin's PID namespace: run `plugin status` where the plugin runs (its container).
-    if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
+    if not isinstance(pid, int) or isinstance(pid, bool) or not 1 <= pid <= PID_MAX:
         return None
     try:
         os.kill(pid, 0)
@@ -145,6 +204,12 @@ def find(
     if flag:
         places = [Place(flag, f"flag {FLAG}")]
     elif env.get(ENV):
+        if not env[ENV].startswith("/"):
+            # Host paths are absolute (a relative one would be read relative to gpunode's own directory).
+            raise UsageError(
+                f"{ENV}={env[ENV][:80]!r} is not an absolute path",
+                f"set {ENV} to the absolute path the plugin was started with (or unset it), then run again",
+            )
         places = [Place(env[ENV], f"env {ENV}")]
     else:
         places = _unit_environment(host, unit, unit_properties)
@@ -168,6 +233,10 @@ def find(
             return lookup
         if not isinstance(loaded, dict):
             lookup.problem = f"{place.path} is not a plugin status document"
+            return lookup
+        problem = shape_problem(loaded)
+        if problem is not None:
+            lookup.problem = f"{place.path} is not a plugin status document: {problem}"
             return lookup
         lookup.document = loaded
         lookup.pid_running = _pid_running(loaded.get("pid"))

@@ -112,14 +112,15 @@ def plan_configure(host: Host, runtime: str, opts: ConfigureOptions) -> RuntimeP
 
 
 def _probes_note(host: Host, runtime: str, flavour: str) -> str:
-    """Where the version probes looked under --root: R's own programs, never this machine's."""
+    """Where the versions came from under --root: R's package database, never a program run (neither this
+    machine's nor R's own: gpunode.runtimes.probe)."""
     from gpunode.runtimes import k3s, probe
 
     programs = list(_PROGRAMS[runtime])
     if flavour in k3s.EMBEDDED_CONTAINERD:
         programs = [flavour, k3s.EMBEDDED_CONTAINERD[flavour]]
     looked = "; ".join(probe.locate(host, p).where for p in programs)
-    return f"under --root the runtime's own programs are asked, never this machine's: {looked}"
+    return f"under --root gpunode runs no program, neither this machine's nor the image's: {looked}"
 
 
 def plan_remove(host: Host, runtime: str, opts: ConfigureOptions) -> RuntimePlan:

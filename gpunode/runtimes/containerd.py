@@ -162,8 +162,8 @@ def parse_containerd_version(output: str) -> tuple[int, int] | None:
 
 
 def installed_containerd_version(host: Host) -> tuple[int, int] | None:
-    """The version of the containerd that reads the files; None when unknown. Under --root, R's own
-    containerd is asked, never this machine's (gpunode.runtimes.probe); with none there, callers choose
+    """The version of the containerd that reads the files; None when unknown. Under --root, R's package
+    database says, and no program runs (gpunode.runtimes.probe); with none there, callers choose
     what every version reads (a config version 2 for an empty file)."""
     from gpunode.runtimes import probe
 

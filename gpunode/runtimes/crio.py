@@ -528,11 +528,10 @@ def effective_config(
     them) so that CRI-O judges exactly the bytes gpunode would write, before anything is written.
     """
     binary = host.which("crio")
-    if binary is None:
+    if binary is None or not host.commands_reach_root:
+        # Under --root no program runs: this machine's crio may be another release (or none), and R's own
+        # binary is not executed here (gpunode.runtimes.probe). gpunode merges the files as CRI-O does.
         return None
-    if not host.commands_reach_root:
-        # Under --root, R's own crio judges R's files (this machine's may be another release, or none).
-        binary = str(host.path(binary))
     if planned is None:
         argv = [
             binary,
@@ -577,7 +576,7 @@ def _run_config(host: Host, argv: list[str], source: str) -> EffectiveConfig:
 def running_config(host: Host, socket: str = SOCKET) -> EffectiveConfig | None:
     """The configuration the running CRI-O uses (`crio status config`, `crio-status config` before 1.28),
     after its own validation: a runtime it ignored as invalid is not in it. None: not running here."""
-    if not host.is_socket(socket):
+    if not host.is_socket(socket) or not host.commands_reach_root:  # under --root no program runs
         return None
     local = str(host.path(socket))
     for program, argv in (

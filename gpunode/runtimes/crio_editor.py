@@ -124,6 +124,12 @@ def _current(
 ) -> tuple[Mapping[str, Mapping[str, Any]], str, str]:
     """(runtimes, default runtime, the global `conmon`) as CRI-O will see them before gpunode's change."""
     if opts.effective:
+        if not host.commands_reach_root:
+            raise UsageError(
+                "--effective asks the crio program, and under --root gpunode runs no program (neither this "
+                "machine's nor the image's)",
+                "leave out --effective: gpunode then merges the files as CRI-O does",
+            )
         seen = crio.effective_config(host, main, crio.DROPIN_DIR)
         if seen is None:
             raise NotFound(

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from pathlib import PurePosixPath
 from typing import Any
 
-from gpunode.errors import ConfigError
+from gpunode.errors import ConfigError, GpunodeError
 from gpunode.host import Host
 from gpunode.runtimes.model import DEFAULT_NVIDIA_RUNTIME_NAME, RuntimeConfigState
 
@@ -32,6 +32,17 @@ READS_BOM_SINCE = (23, 0)
 # passes such a file; 20.10 does not know the shim keys and ignores them.
 SHIM_RUNTIME_KEYS = ("runtimeType", "options")
 SHIMS_SINCE = (23, 0)
+
+
+def is_daemon_json(host: Host, config: str | None) -> bool:
+    """Whether `--config` names the file dockerd reads, however spelled (`/etc/docker/./daemon.json`, a
+    link): compared as canonical paths, as the restart's reader does (gpunode.runtimes.reader)."""
+    if config is None:
+        return True
+    try:
+        return host.canonical(config) == host.canonical(DAEMON_JSON)
+    except (GpunodeError, OSError, ValueError):  # a link loop: not dockerd's file either
+        return False
 
 
 def split_bom(text: str) -> tuple[str, str]:
@@ -143,7 +154,7 @@ def parse_dockerd_version(output: str) -> tuple[int, int] | None:
 
 def installed_dockerd_version(host: Host) -> tuple[int, int] | None:
     """The version of the dockerd that reads daemon.json; None when there is none or it does not say.
-    Under --root, R's own dockerd is asked, never this machine's (gpunode.runtimes.probe)."""
+    Under --root, what R's package database says, never a program run (gpunode.runtimes.probe)."""
     from gpunode.runtimes import probe
 
     if host.commands_reach_root and host.which("dockerd") is None:
@@ -153,12 +164,11 @@ def installed_dockerd_version(host: Host) -> tuple[int, int] | None:
 
 
 def dockerd_unknown_under_root(host: Host) -> bool:
-    """True under --root when R has no dockerd to ask: its version and --validate are unknown. gpunode then
+    """True under --root when R's package database does not say which dockerd it has (gpunode runs no
+    program of R): its version is unknown. gpunode then
     judges the file as the newest dockerd it knows does (and says so), instead of refusing what a current
     dockerd accepts (a BOM, keys 20.10 does not know)."""
-    from gpunode.runtimes import probe
-
-    return not host.commands_reach_root and probe.locate(host, "dockerd").argv is None
+    return not host.commands_reach_root and installed_dockerd_version(host) is None
 
 
 def bom_problem(text: str, path: str, dockerd: tuple[int, int] | None) -> str | None:

@@ -7,7 +7,7 @@ from typing import Any
 
 from gpunode.errors import ConfigError, UsageError
 from gpunode.host import Host
-from gpunode.runtimes import docker
+from gpunode.runtimes import docker, probe
 from gpunode.runtimes.edits import Editor, JsonFormat
 from gpunode.runtimes.plan import ConfigureOptions, FileChange, RuntimePlan
 
@@ -153,7 +153,7 @@ def plan_docker(host: Host, opts: ConfigureOptions) -> RuntimePlan:
         messages=tuple(messages),
         unit=UNIT,
         socket=SOCKET,
-        standard_location=opts.config in (None, docker.DAEMON_JSON),
+        standard_location=docker.is_daemon_json(host, opts.config),
         expect=(opts.runtime_name, opts.set_as_default),
     )
 
@@ -182,7 +182,8 @@ def _refuse_what_dockerd_refuses(
         # dockerd takes (a BOM, keys 20.10 lacks) is not refused on a guess; the operator is told.
         dockerd = NEWEST_DOCKERD
         messages.append(
-            f"dockerd's version is unknown (no dockerd in {host.root}): {path} was judged as dockerd "
+            f"dockerd's version is unknown ({probe.NOT_RUN}; {probe.locate(host, 'dockerd').where}): "
+            f"{path} was judged as dockerd "
             f"{NEWEST_DOCKERD[0]} reads it (a byte order mark kept, keys not checked by "
             "`dockerd --validate`); "
             "dockerd 20.10-22 would refuse a BOM or keys they do not know"
@@ -192,7 +193,13 @@ def _refuse_what_dockerd_refuses(
     default = docker.default_runtime(doc, path)
     problems = [p for p in problems if not (default == opts.runtime_name and f'"{default}"' in p)]
     docker.cdi_enabled(doc, path)  # raises on a `features` that is not an object
-    if unknown_keys and not docker.dockerd_unknown_under_root(host) and not _dockerd_accepts(host, path):
+    if unknown_keys and not host.commands_reach_root:
+        if not docker.dockerd_unknown_under_root(host):  # else said just above
+            messages.append(
+                f"{path}'s key(s) {', '.join(unknown_keys)} were not checked by `dockerd --validate` "
+                f"({probe.NOT_RUN}): a dockerd that does not know them refuses to start"
+            )
+    elif unknown_keys and not _dockerd_accepts(host, path):
         problems.append(
             f"{path} has key(s) dockerd does not know: {', '.join(unknown_keys)}; dockerd refuses to start "
             "with it"

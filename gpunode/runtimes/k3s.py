@@ -107,13 +107,13 @@ def has_base_template(release: tuple[int, int, int]) -> bool:
 
 
 def installed_release(host: Host, flavour: str) -> tuple[int, int, int] | None:
-    """`k3s --version` / `rke2 --version`; under --root R's own binary, never this machine's."""
+    """`k3s --version` / `rke2 --version`; under --root no program runs (gpunode.runtimes.probe)."""
     result, _ = probe.run(host, flavour, ["--version"], timeout=VERSION_TIMEOUT)
     return parse_release(result.stdout) if result is not None and result.ok else None
 
 
 def embedded_containerd(host: Host, flavour: str) -> tuple[int, int] | None:
-    """The embedded containerd's version, run from its path in the root (under --root: R's binary)."""
+    """The embedded containerd's version, run from its path in the root (under --root nothing runs)."""
     result, _ = probe.run(host, EMBEDDED_CONTAINERD[flavour], ["--version"], timeout=VERSION_TIMEOUT)
     return ctd.parse_containerd_version(result.stdout) if result is not None and result.ok else None
 

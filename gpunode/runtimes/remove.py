@@ -82,7 +82,7 @@ def _docker(host: Host, opts: ConfigureOptions) -> tuple[list[FileChange], list[
         changes=(),
         unit=docker_editor.UNIT,
         socket=docker_editor.SOCKET,
-        standard_location=opts.config in (None, docker.DAEMON_JSON),
+        standard_location=docker.is_daemon_json(host, opts.config),
     )
     return [change] if change else [], messages, plan
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from gpunode.errors import GpunodeError, NotFound
 from gpunode.host import Host
 
 UNIT_DIR = "/etc/systemd/system"
@@ -110,3 +111,24 @@ def describe(root: str, links: Sequence[Link], steps: Sequence[Sequence[str]], *
             f"system starts what is enabled): {commands}"
         )
     return lines
+
+
+def require_program(host: Host, executable: str, what: str) -> None:
+    """Under --root, a unit's `ExecStart=` must name a program the system in the root has: the path is this
+    machine's gpunode, which the root need not hold (a unit naming nothing fails there with 203/EXEC)."""
+    if not host.offline:
+        return
+    import stat
+
+    try:
+        st = host.path(executable).stat()
+        runnable = stat.S_ISREG(st.st_mode) and bool(st.st_mode & 0o111)
+    except (OSError, GpunodeError):  # missing, a link loop, a link leaving the root
+        runnable = False
+    if not runnable:
+        raise NotFound(
+            f"{what} would write ExecStart={executable} into {host.root}, but {host.root}{executable} is not "
+            "an executable file: the unit would fail there",
+            f"install gpunode inside {host.root} at {executable} (./install.sh on that system), or run "
+            f"`{what}` on the system in {host.root} itself; then run this again",
+        )

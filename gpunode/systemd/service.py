@@ -261,6 +261,7 @@ def plan_install(
             _planned_file(host, f"/etc/systemd/system/{DOCTOR_TIMER}", timer),
         ]
     if host.offline:
+        enable.require_program(host, executable, "plugin install")
         return _plan_install_offline(host, files, doctor_files, start=start, executable=executable)
     state = service_state(host)
     commands: list[tuple[str, ...]] = []

@@ -91,7 +91,9 @@ def absolute_path(option: str, path: str) -> str:
     if not path.startswith("/") or any(p in (".", "..") for p in parts):
         raise UsageError(
             f"{option} {path!r} is not an absolute path without '.' or '..'",
-            f"give {option} as an absolute path, e.g. {posixpath.normpath('/' + path)}",
+            # lstrip: normpath keeps a leading `//` (POSIX leaves its meaning open), and `/` + an absolute
+            # path is one.
+            f"give {option} as an absolute path, e.g. {posixpath.normpath('/' + path.lstrip('/'))}",
         )
     if path != path.strip():
         raise UsageError(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import os
 import re
 from dataclasses import dataclass
 
@@ -100,14 +101,21 @@ def check_trusted(key: PublicKey, expected: tuple[str, ...], *, custom: bool) ->
 
 
 def read_key_file(path: str) -> bytes:
-    """The operator's own key file (a local path: it is input, not host configuration)."""
+    """The operator's own key file (a path on this machine, also under --root: it is input, not host
+    configuration). Read with the Host's guards: a FIFO or a device (/dev/zero) is refused, never waited
+    on or read without end."""
+    from gpunode.host import Host
+
     try:
-        with open(path, "rb") as fh:
-            data = fh.read(KEY_DOWNLOAD_LIMIT + 1)
-    except FileNotFoundError as exc:
-        raise NotFound(f"key file {path} does not exist", "give the path of the repository's key") from exc
-    except OSError as exc:
-        raise SigningKeyError(f"cannot read key file {path}: {exc.strerror or exc}") from exc
+        data = Host().read_bytes(os.path.abspath(path))
+    except NotFound:
+        data = None
+    except GpunodeError as exc:  # a FIFO, a device, a directory, a file over the Host's read limit
+        raise SigningKeyError(
+            f"cannot read key file {path}: {exc.message}", "give the path of the key file"
+        ) from exc
+    if data is None:
+        raise NotFound(f"key file {path} does not exist", "give the path of the repository's key")
     if len(data) > KEY_DOWNLOAD_LIMIT:
         raise SigningKeyError(f"key file {path} is larger than 1 MiB; that is not a key")
     return data

@@ -91,17 +91,24 @@ def test_restart_under_root_is_a_next_step_in_the_dry_run_and_the_json(
     assert calls(tmp_path) == []
 
 
-# -- version probes: R's own program, never this machine's -------------------------------------------------
+# -- version probes: no program runs, this machine's or R's; R's package database says ----------------------
 
 
-def test_no_dockerd_in_root_judges_as_the_newest_and_never_asks_this_machines(
+def dpkg(root: Path, **packages: str) -> None:
+    """R's dpkg database, with these packages installed (name=version)."""
+    stanzas = [f"Package: {n}\nStatus: install ok installed\nVersion: {v}\n" for n, v in packages.items()]
+    put(root, "/var/lib/dpkg/status", "\n".join(stanzas) or "\n")
+
+
+def test_no_dockerd_version_in_root_judges_as_the_newest_and_runs_nothing(
     tmp_path: Path, machine: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # This machine's dockerd is an old one that would refuse the file: it must not be what decides.
+    # This machine's dockerd is an old one that would refuse the file; R's own is never run either.
     program(
         machine, "dockerd", f'echo "dockerd $*" >> {tmp_path / "calls"}; echo "Docker version 20.10.24"\n'
     )
     root = tmp_path / "root"
+    program(root / "usr/bin", "dockerd", f'echo "R dockerd $*" >> {tmp_path / "calls"}\n')
     original = '\ufeff{"cdi-spec-dirs": ["/etc/cdi"]}\n'  # a BOM and a key dockerd 20.10 does not know
     path = put(root, DAEMON_JSON, original)
     code, out, err = cli(root, capsys, "docker", "--no-restart")
@@ -109,49 +116,102 @@ def test_no_dockerd_in_root_judges_as_the_newest_and_never_asks_this_machines(
     assert calls(tmp_path) == []
     written = path.read_text()
     assert written.startswith('\ufeff{"cdi-spec-dirs"') and '"nvidia"' in written  # BOM and key kept
-    assert f"dockerd's version is unknown (no dockerd in {root})" in out and "judged as dockerd 28" in out
-    assert f"never this machine's: no dockerd in {root}" in out
+    assert "dockerd's version is unknown (--root: gpunode runs no program of the image; " in out
+    assert "judged as dockerd 28" in out
+    assert f"/usr/bin/dockerd in {root}: version unknown" in out
 
 
-def test_the_dockerd_in_root_is_the_one_asked(
+def test_dockerds_version_comes_from_the_roots_package_database(
     tmp_path: Path, machine: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     program(machine, "dockerd", f'echo "dockerd $*" >> {tmp_path / "calls"}; echo "Docker version 28.5.2"\n')
     root = tmp_path / "root"
-    program(
-        root / "usr/bin",
-        "dockerd",
-        f'echo "R dockerd $*" >> {tmp_path / "calls"}; echo "Docker version 20.10.24"\n',
-    )
+    program(root / "usr/bin", "dockerd", f'echo "R dockerd $*" >> {tmp_path / "calls"}\n')
+    dpkg(root, **{"docker.io": "20.10.24+dfsg1-1+b3"})
     path = put(root, DAEMON_JSON, '\ufeff{"debug": true}\n')
     code, _, err = cli(root, capsys, "docker", "--no-restart")
     assert code == ExitCode.CONFIG  # R's dockerd 20.10 does not start on a BOM
     assert "which dockerd 20.10 refuses" in err
-    assert calls(tmp_path) == ["R dockerd --version"]
+    assert calls(tmp_path) == []  # neither dockerd ran
     assert path.read_text() == '\ufeff{"debug": true}\n'
 
 
-def test_containerds_version_comes_from_root(
+def test_unknown_keys_are_not_validated_under_root_and_it_says_so(
     tmp_path: Path, machine: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    program(machine, "containerd", 'echo "containerd github.com/containerd/containerd 1.6.20 abc"\n')
     root = tmp_path / "root"
-    program(root / "usr/bin", "containerd", 'echo "containerd containerd.io v2.1.4 75cb2b7"\n')
+    program(root / "usr/bin", "dockerd", f'echo "R dockerd $*" >> {tmp_path / "calls"}; exit 1\n')
+    dpkg(root, **{"docker-ce": "5:28.0.1-1~debian.12~bookworm"})
+    put(root, DAEMON_JSON, '{"cdi-spec-dirs": ["/etc/cdi"]}\n')
+    code, out, err = cli(root, capsys, "docker", "--no-restart")
+    assert code == ExitCode.OK, err
+    assert "were not checked by `dockerd --validate` (--root: gpunode runs no program of the image)" in out
+    assert calls(tmp_path) == []
+
+
+def test_containerds_version_comes_from_the_roots_package_database(
+    tmp_path: Path, machine: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    program(
+        machine, "containerd", f'echo "here $*" >> {tmp_path / "calls"}; echo "containerd x 1.6.20 abc"\n'
+    )
+    root = tmp_path / "root"
+    program(root / "usr/bin", "containerd", f'echo "R $*" >> {tmp_path / "calls"}\n')
+    dpkg(root, **{"containerd.io": "2.1.4-1"})
     path = put(root, "/etc/containerd/config.toml", "")
     code, out, err = cli(root, capsys, "containerd", "--no-restart")
     assert code == ExitCode.OK, err
     assert path.read_text().startswith("version = 3")  # R's containerd 2.x reads version 3
-    assert f"never this machine's: /usr/bin/containerd in {root}" in out
+    assert f"containerd 2.1.4-1 per /var/lib/dpkg/status in {root}" in out
+    assert calls(tmp_path) == []
 
 
-def test_k3s_release_comes_from_root(
+def test_without_a_package_database_containerd_is_unknown_and_nothing_runs(
     tmp_path: Path, machine: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     root = tmp_path / "root"
-    program(root / "usr/local/bin", "k3s", 'echo "k3s version v1.28.5+k3s1 (5b2d1271)"\n')
+    program(
+        root / "usr/bin", "containerd", f'echo "R $*" >> {tmp_path / "calls"}; echo "containerd x v2.1.4"\n'
+    )
+    path = put(root, "/etc/containerd/config.toml", "")
+    code, out, err = cli(root, capsys, "containerd", "--no-restart")
+    assert code == ExitCode.OK, err
+    assert path.read_text().startswith("version = 2")  # unknown: what every version reads
+    assert f"/usr/bin/containerd in {root}: version unknown (--root: gpunode runs no program" in out
+    assert calls(tmp_path) == []
+
+
+def test_k3s_release_is_never_asked_of_the_roots_program(
+    tmp_path: Path, machine: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "root"
+    program(root / "usr/local/bin", "k3s", f'echo "R k3s $*" >> {tmp_path / "calls"}\n')
     fixture = Path(__file__).resolve().parent.parent / "fixtures/containerd/k3s/v2-k3s-v1.28.toml"
     put(root, "/var/lib/rancher/k3s/agent/etc/containerd/config.toml", fixture.read_text())
-    code, out, err = cli(root, capsys, "containerd", "--no-restart")
-    assert code == ExitCode.OK, err  # a v1.28.5 release has the base template: gpunode writes one
-    assert (root / "var/lib/rancher/k3s/agent/etc/containerd/config.toml.tmpl").is_file()
-    assert f"/usr/local/bin/k3s in {root}" in out
+    code, _, err = cli(root, capsys, "containerd", "--no-restart")
+    assert calls(tmp_path) == []
+    # Unknown, the conservative choice: no base template is assumed, and a copy of k3s's generated file
+    # is not edited (k3s would replace it).
+    assert code == ExitCode.CONFIG and "k3s (version unknown) has no base template" in err
+
+
+def test_the_roots_crio_is_never_run(
+    tmp_path: Path, machine: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `crio config` (CRI-O's own view) ran R's binary, by its path in R, as root on this machine.
+    import socket
+
+    root = tmp_path / "root"
+    program(root / "usr/bin", "crio", f'echo "R crio $*" >> {tmp_path / "calls"}\n')
+    program(root / "usr/bin", "crio-status", f'echo "R crio-status $*" >> {tmp_path / "calls"}\n')
+    put(root, "/etc/crio/crio.conf", "")
+    (root / "var/run/crio").mkdir(parents=True)
+    with socket.socket(socket.AF_UNIX) as listening:  # a running CRI-O's socket in R
+        listening.bind(str(root / "var/run/crio/crio.sock"))
+        code, _, err = cli(root, capsys, "crio", "--no-restart")
+        assert code == ExitCode.OK, err
+        code, _, err = cli(root, capsys, "crio", "--no-restart", "--effective")
+        assert code == ExitCode.USAGE and "under --root gpunode runs no program" in err
+        main(["doctor", "--json"], host=Host(root=root, euid=0))
+        capsys.readouterr()
+    assert calls(tmp_path) == []

@@ -122,7 +122,7 @@ def test_a_full_stdout_is_a_clear_error() -> None:
 
 
 @pytest.mark.parametrize(
-    "args", [("--help",), ("doctor",), ("plugin", "run", "--simulate", "8xA100", "--show-config")]
+    "args", [("--help",), ("doctor",), ("plugin", "run", "--simulate", "dgx-a100", "--show-config")]
 )
 def test_a_closed_pipe_ends_quietly_with_141(args: tuple[str, ...]) -> None:
     """`gpunode … | head -1`: the reader is gone before gpunode writes. No message, no traceback; 141 as for a

@@ -140,3 +140,15 @@ def test_a_path_setting_with_a_control_character_is_refused_naming_it(
     assert "fix: give the path without control characters" in err
     assert "Traceback" not in err
     assert out == ""
+
+
+@pytest.mark.parametrize("extra", [(), ("--json",)])
+def test_show_config_refuses_an_unknown_simulate_profile(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: tuple[str, ...]
+) -> None:
+    # `--simulate 2 --show-config` printed the settings and exited 0: the profile was never looked at.
+    code, out, err = run(tmp_path, capsys, "--simulate", "2", "--show-config", *extra)
+    assert code == ExitCode.USAGE, out + err
+    assert "unknown simulation profile '2' (known: dgx-a100, pcie-4" in out + err
+    code, out, err = run(tmp_path, capsys, "--simulate", "pcie-4", "--show-config", *extra)
+    assert code == ExitCode.OK, err

@@ -124,3 +124,39 @@ def test_the_service_must_be_active_when_its_file_is_read(
     write_status(tmp_path, "/run/gpunode/plugin-status.json")
     code, out = status(Host(root=tmp_path, runner=runner, env={}), capsys)
     assert code == ExitCode.UNHEALTHY and "service: failed (failed), enabled, restarts 3" in out
+
+
+@pytest.mark.parametrize(
+    ("document", "named"),
+    [
+        ({"resources": [1]}, "resources[0] is 1, not an object"),
+        ({"pid": 99999999999999999999999}, "'pid' is 99999999999999999999999"),
+        ({"pid": 0, "ready": True, "resources": [RESOURCE]}, "'pid' is 0 (a pid is an integer from 1 to"),
+        ({"pid": 1e999}, "'pid' is inf"),
+        ({"resources": [{"registered": "yes"}]}, 'resources[0].registered is "yes"'),
+        ({"unmonitored": {"a": 1}}, "'unmonitored' is not a list"),
+    ],
+)
+def test_a_status_file_of_the_wrong_shape_is_named_not_a_crash(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], document: dict[str, object], named: str
+) -> None:
+    path = tmp_path / "srv/s.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(document))
+    code, out = status(no_systemd(tmp_path), capsys, "--status-file", "/srv/s.json")
+    assert code == ExitCode.UNHEALTHY, out
+    assert "plugin: unreadable status: /srv/s.json is not a plugin status document: " in out
+    assert named in out
+    code = main(["plugin", "status", "--status-file", "/srv/s.json", "--json"], host=no_systemd(tmp_path))
+    doc = json.loads(capsys.readouterr().out)
+    assert code == ExitCode.UNHEALTHY and not doc["ready"] and named in doc["problem"]
+
+
+def test_a_relative_status_file_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Host paths are absolute: a relative one ended in ValueError, exit 70 (the flag is refused by its click
+    # type; the environment variable here).
+    host = no_systemd(tmp_path, env={"GPUNODE_PLUGIN_STATUS_FILE": "rel.json"})
+    code = main(["plugin", "status"], host=host)
+    err = capsys.readouterr().err
+    assert code == ExitCode.USAGE, err
+    assert "GPUNODE_PLUGIN_STATUS_FILE='rel.json' is not an absolute path" in err and "fix: set" in err

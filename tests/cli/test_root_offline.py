@@ -23,6 +23,7 @@ from gpunode import schemas
 from gpunode.cli.main import main
 from gpunode.errors import ExitCode
 from gpunode.host import Host
+from gpunode.systemd.service import gpunode_executable
 
 UNIT = "gpunode-device-plugin.service"
 UNITS = "/etc/systemd/system"
@@ -42,8 +43,21 @@ def calls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return log
 
 
-def run(root: Path, capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+def with_gpunode(root: Path) -> None:
+    """gpunode installed in the root at the path the units name (install refuses a unit naming nothing)."""
+    program = root / gpunode_executable().lstrip("/")
+    if not program.exists():
+        program.parent.mkdir(parents=True, exist_ok=True)
+        program.write_text("#!/bin/sh\n")
+        program.chmod(0o755)
+
+
+def run(
+    root: Path, capsys: pytest.CaptureFixture[str], *argv: str, installed: bool = True
+) -> tuple[int, str]:
     # The Host `--root DIR` makes (this machine's programs as the runner), as root.
+    if installed:
+        with_gpunode(root)
     code = main(list(argv), host=Host(root=root, euid=0))
     out, err = capsys.readouterr()
     return code, out + err
@@ -171,3 +185,21 @@ def test_the_links_are_the_ones_systemctl_enable_makes(
     assert enabled.returncode == 0, enabled.stderr
     assert links_in(ours) == links_in(theirs)
     assert not calls.exists()
+
+
+@pytest.mark.parametrize(
+    "command", [("plugin", "install"), ("cdi", "install"), ("cdi", "install", "--dry-run")]
+)
+def test_install_refuses_a_unit_naming_a_program_the_root_lacks(
+    tmp_path: Path, calls: Path, capsys: pytest.CaptureFixture[str], command: tuple[str, ...]
+) -> None:
+    # ExecStart= names this machine's gpunode; in a root without it the unit fails with 203/EXEC.
+    code, out = run(tmp_path, capsys, *command, installed=False)
+    assert code == ExitCode.NOT_FOUND, out
+    assert f"ExecStart={gpunode_executable()}" in out and "install gpunode inside" in out
+    assert not (tmp_path / "etc").exists() and not calls.exists()
+    program = tmp_path / gpunode_executable().lstrip("/")
+    program.parent.mkdir(parents=True)
+    program.write_text("#!/bin/sh\n")  # there, but not executable
+    code, out = run(tmp_path, capsys, *command, installed=False)
+    assert code == ExitCode.NOT_FOUND and not (tmp_path / "etc").exists(), out

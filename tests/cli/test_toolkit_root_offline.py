@@ -95,3 +95,22 @@ def test_the_commands_under_root_run_nothing_here(
         assert code == ExitCode.OK and "apt-get install" in out, out
     assert files_in(root) == before
     assert not calls.exists(), calls.read_text()
+
+
+def test_a_key_file_that_is_a_fifo_is_refused_not_waited_on(tmp_path: Path) -> None:
+    # open() on a FIFO waits for a writer: `toolkit install --dry-run --key-file FIFO` hung. Run in a child
+    # so that a regression fails this test instead of hanging the suite (the limit is a hang guard only).
+    import subprocess
+    import sys
+
+    root = image(tmp_path)
+    fifo = tmp_path / "key.fifo"
+    os.mkfifo(fifo)
+    argv = ["--root", str(root), "toolkit", "install", "--dry-run", "--key-file", str(fifo)]
+    code = f"import sys; from gpunode.cli.main import main; sys.exit(main({argv!r}))"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False, env=env
+    )
+    assert result.returncode == 3, result.stderr  # SigningKeyError: nothing written
+    assert f"cannot read key file {fifo}: " in result.stderr and "not a regular file" in result.stderr

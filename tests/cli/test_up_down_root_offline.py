@@ -14,6 +14,7 @@ from gpunode import down, up
 from gpunode.cli.main import main
 from gpunode.errors import ExitCode
 from gpunode.host import Host
+from tests.cli.test_root_offline import with_gpunode
 
 UNIT = "gpunode-device-plugin.service"
 UNITS = "/etc/systemd/system"
@@ -46,6 +47,7 @@ def test_up_plugin_step_under_root_installs_into_the_root_and_asks_nothing_here(
 ) -> None:
     root = tmp_path / "image"
     root.mkdir()
+    with_gpunode(root)  # the unit's ExecStart= names a program the image has
     host = Host(root=root, euid=0)
     step = up.replan(host, up.UpOptions(), lambda h: pytest.fail("no discovery"), "plugin")
     assert called(calls) == ""
@@ -78,6 +80,7 @@ def test_down_dry_run_under_root_runs_nothing_here(
 ) -> None:
     root = tmp_path / "image"
     root.mkdir()
+    with_gpunode(root)  # the unit's ExecStart= names a program the image has
     host = Host(root=root, euid=0)
     assert main(["plugin", "install", "--no-start"], host=host) == ExitCode.OK
     capsys.readouterr()

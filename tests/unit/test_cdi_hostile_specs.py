@@ -147,6 +147,7 @@ def test_cdi_list_and_check_report_hostile_files_as_warnings(
         name, content = HOSTILE[case]
         (spec_dir / f"{case}-{name}").write_bytes(content)
     os.mkfifo(spec_dir / "fifo.yaml")
+    (spec_dir / "loop.yaml").symlink_to("loop.yaml")  # a foreign self-loop: check refused the run (exit 4)
     assert main(["cdi", "list"], host=node) == ExitCode.OK
     out, err = capsys.readouterr()
     assert "Traceback" not in out + err
@@ -154,11 +155,12 @@ def test_cdi_list_and_check_report_hostile_files_as_warnings(
         assert f"/etc/cdi/{case}-" in out and "ignored by the runtimes" in out
     assert main(["cdi", "list", "--json"], host=node) == ExitCode.OK
     listed = json.loads(capsys.readouterr().out)
-    assert sum(1 for f in listed["files"] if f["problems"]) == 5
-    main(["cdi", "check", "--json"], host=node)
+    assert sum(1 for f in listed["files"] if f["problems"]) == 6
+    assert main(["cdi", "check", "--json"], host=node) != ExitCode.CONFIG
     checks = json.loads(capsys.readouterr().out)["checks"]
     warned = [c for c in checks if c["id"] == "cdi.files"]
-    assert len(warned) == 5 and all(c["status"] == "warn" for c in warned)
+    assert len(warned) == 6 and all(c["status"] == "warn" for c in warned)
+    assert any("/etc/cdi/loop.yaml" in c["summary"] for c in warned)
 
 
 # -- property tests ------------------------------------------------------------------------------------

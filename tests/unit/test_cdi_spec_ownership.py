@@ -69,7 +69,7 @@ def test_force_keeps_the_original_and_records_it(node: Host, capsys: pytest.Capt
     code, _, err = run(node, capsys, "--output", "/etc/cdi/nvidia.yaml", "--force")
     assert code == ExitCode.OK, err
     digest = hashlib.sha256(NVIDIA_CTK_SPEC).hexdigest()[:12]
-    backup = f"/var/lib/gpunode/backup/cdi/etc/cdi/nvidia.yaml.{digest}"
+    backup = f"/var/lib/gpunode/backups/etc/cdi/nvidia.yaml.{digest}"
     assert node.path(backup).read_bytes() == NVIDIA_CTK_SPEC  # restorable byte for byte
     assert f"kept in {backup}" in err
     assert ownership.backups(node, "/etc/cdi/nvidia.yaml") == [backup]
@@ -170,3 +170,32 @@ def test_the_plugins_regeneration_refuses_another_tools_file_at_gpunodes_path(no
     # gpunode's own (its header), however stale, is regenerated.
     path.write_bytes(ownership.MARKER.encode() + b" (stale)\n" + NVIDIA_CTK_SPEC)
     assert write_spec(node, generate(node, discover(node), GenerateOptions())) is True
+
+
+def test_backups_an_older_gpunode_kept_in_backup_are_still_put_back(
+    node: Host, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before issue 23 the backups went to /var/lib/gpunode/backup/ (everything else: backups/).
+    from gpunode.cdi.check import TOOLKIT_CONFIG
+    from gpunode.cdi.install import _with_envvar_off
+
+    spec = "/etc/cdi/nvidia.yaml"
+    ours = ownership.MARKER.encode() + b"\ncdiVersion: 0.5.0\n"
+    node.path(spec).parent.mkdir(parents=True)
+    node.path(spec).write_bytes(ours)
+    old_spec_backup = "/var/lib/gpunode/backup/cdi/etc/cdi/nvidia.yaml.0123456789ab"
+    node.path(old_spec_backup).parent.mkdir(parents=True)
+    node.path(old_spec_backup).write_bytes(NVIDIA_CTK_SPEC)
+    ownership.record(node, spec, ours, old_spec_backup)
+    original = "# the operator's\n[nvidia-container-runtime]\n"
+    node.path(TOOLKIT_CONFIG).parent.mkdir(parents=True)
+    node.path(TOOLKIT_CONFIG).write_text(_with_envvar_off(original))
+    old_toolkit_backup = node.path(f"/var/lib/gpunode/backup{TOOLKIT_CONFIG}")
+    old_toolkit_backup.parent.mkdir(parents=True)
+    old_toolkit_backup.write_text(original)
+    code = main(["cdi", "uninstall", "--output", spec], host=node)
+    out, err = capsys.readouterr()
+    assert code == ExitCode.OK, out + err
+    assert node.path(spec).read_bytes() == NVIDIA_CTK_SPEC
+    assert node.path(TOOLKIT_CONFIG).read_text() == original
+    assert not node.path(old_spec_backup).exists() and not old_toolkit_backup.exists()

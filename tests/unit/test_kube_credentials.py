@@ -285,6 +285,37 @@ def test_server_urls(root: Root) -> None:
         root.resolve()
 
 
+@pytest.mark.parametrize("url", ["https://[::1", "https://[::1:6443/", "[::1"])
+def test_a_server_url_python_cannot_split_is_a_config_error(root: Root, url: str) -> None:
+    # urlsplit raises ValueError on an unclosed IPv6 bracket: that was exit 70.
+    root.file("/root/.kube/config", simple(server=url))
+    with pytest.raises(
+        ConfigError, match=r'cluster "prod" in /root/\.kube/config: server .* is not an API server'
+    ):
+        root.resolve()
+    with pytest.raises(UsageError, match=r"--server: server .* is not an API server URL"):
+        root.resolve(server=url)
+
+
+@pytest.mark.parametrize("proxy", ["https://[::1", "socks5://[::1"])
+def test_a_proxy_url_python_cannot_split_is_a_config_error(root: Root, proxy: str) -> None:
+    text = kubeconfig(
+        {
+            "prod": {
+                "server": "https://10.0.0.1:6443",
+                "proxy-url": proxy,
+                "certificate-authority-data": b64(CA),
+            }
+        },
+        {"admin": {"token": TOKEN}},
+        {"prod": ("prod", "admin")},
+        "prod",
+    )
+    root.file("/root/.kube/config", text)
+    with pytest.raises(ConfigError, match=r'cluster "prod" in /root/\.kube/config: proxy-url is not a URL'):
+        root.resolve()
+
+
 def test_plain_http_server_in_a_kubeconfig_gets_no_credentials(root: Root) -> None:
     root.file("/root/.kube/config", simple(server="http://127.0.0.1:8080"))
     creds = root.resolve()

@@ -42,6 +42,15 @@ def nvidia(tmp_path: Path, text: str, name: str = "config.yaml") -> tuple[Host, 
     return Host(root=tmp_path, env={}), f"/{name}"
 
 
+def gpunode_in(root: Path) -> None:
+    """gpunode installed in the root at the paths these tests name (install under --root checks it)."""
+    for executable in ("usr/local/bin/gpunode", "tmp/venv/bin/gpunode"):
+        program = root / executable
+        program.parent.mkdir(parents=True, exist_ok=True)
+        program.write_text("#!/bin/sh\n")
+        program.chmod(0o755)
+
+
 def fixture(tmp_path: Path, name: str) -> tuple[Host, str]:
     return nvidia(tmp_path, (FIXTURES / name).read_text(), name)
 
@@ -512,6 +521,8 @@ def test_import_config_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
 def test_install_turns_the_nvidia_file_into_gpunode_toml(tmp_path: Path) -> None:
     from gpunode.systemd.service import CONFIG_PATH, plan_install
 
+    gpunode_in(tmp_path)
+
     host, path = fixture(tmp_path, "time-slicing.yaml")
     plan = plan_install(host, config_file=path, start=False, executable="/usr/local/bin/gpunode")
     [config] = [f for f in plan.files if f.path == CONFIG_PATH]
@@ -534,6 +545,8 @@ def test_install_refuses_an_mps_root_the_unit_hides_from_pods(
 ) -> None:
     from gpunode.systemd.service import plan_install
 
+    gpunode_in(tmp_path)
+
     shared = MPS_ONE.split("\n", 1)[1].replace("replicas: 1", "replicas: 2")
     host, path = nvidia(tmp_path, f"version: v1\nflags:\n  mpsRoot: {root}\n{shared}")
     if refused is None:
@@ -550,6 +563,8 @@ def test_install_refuses_an_mps_root_the_unit_hides_from_pods(
 
 def test_install_checks_the_mps_root_the_units_environment_file_sets(tmp_path: Path) -> None:
     from gpunode.systemd.service import plan_install
+
+    gpunode_in(tmp_path)
 
     shared = MPS_ONE.split("\n", 1)[1].replace("replicas: 1", "replicas: 2")
     host, path = nvidia(tmp_path, f"version: v1\n{shared}")
@@ -572,6 +587,8 @@ def test_install_refuses_an_environment_file_that_names_another_config(tmp_path:
     instead of the one plugin install writes."""
     from gpunode.systemd.service import plan_install
 
+    gpunode_in(tmp_path)
+
     host, path = nvidia(tmp_path, "version: v1\nflags:\n  migStrategy: single\n")
     env_file = tmp_path / "etc/default/gpunode-device-plugin"
     env_file.parent.mkdir(parents=True)
@@ -586,6 +603,8 @@ def test_install_refuses_an_environment_file_that_names_another_config(tmp_path:
 
 def test_install_judges_only_the_config_variable_plugin_run_takes(tmp_path: Path) -> None:
     from gpunode.systemd.service import plan_install
+
+    gpunode_in(tmp_path)
 
     host, path = nvidia(tmp_path, "version: v1\n")
     env_file = tmp_path / "etc/default/gpunode-device-plugin"
@@ -827,3 +846,12 @@ def test_show_config_names_nvidias_variable_as_the_origin(
     assert code == ExitCode.OK
     assert 'mig-strategy = "mixed"  # from: env MIG_STRATEGY' in out.splitlines()
     assert "pass-device-specs = true  # from: env PASS_DEVICE_SPECS" in out.splitlines()
+
+
+def test_a_huge_imex_channel_value_is_quoted_short(tmp_path: Path) -> None:
+    # The error echoed the whole 5,000-digit value.
+    with pytest.raises(ConfigError) as caught:
+        load_config(Host(root=tmp_path, env={}), env={"GPUNODE_IMEX_CHANNEL_IDS": "9" * 5000})
+    message = caught.value.message
+    assert "IMEX channel IDs must be [] or [0]" in message and "(5002 characters)" in message
+    assert len(message) < 300

@@ -217,6 +217,19 @@ def test_the_default_daemon_json_still_restarts_docker(tmp_path: Path) -> None:
     assert restarts_by_default(host, undo) and undo.unit == "docker.service"
 
 
+@pytest.mark.parametrize(
+    "spelling", ["/etc/docker/./daemon.json", "/etc/docker//daemon.json", "/etc/dl.json"]
+)
+def test_daemon_json_however_spelled_still_records_the_restart(tmp_path: Path, spelling: str) -> None:
+    # The raw string was compared: a restart note was printed but no restart recorded as pending.
+    put(tmp_path, "/etc/docker/daemon.json", ORIGINAL)
+    (tmp_path / "etc/dl.json").symlink_to("docker/daemon.json")
+    host = Host(root=tmp_path, runner=ScriptedRunner())
+    plan = configure(host, "docker", config=spelling)
+    assert plan.standard_location and records.load(host).restart_pending == {"docker"}
+    assert restarts_by_default(host, plan_revert(host, "docker", ConfigureOptions()))
+
+
 def test_cli_configure_of_a_scratch_file_says_docker_does_not_read_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -79,6 +79,26 @@ def test_cdi_install_refuses_control_characters_in_any_path_option(
     assert not (tmp_path / "etc").exists()
 
 
+@pytest.mark.parametrize(
+    ("option", "value", "suggested"),
+    [
+        ("--driver-root", "/a/../etc", "/etc"),
+        ("--dev-root", "/a/./b/", "/a/b"),
+        ("--driver-root", "//x/..", "/"),
+    ],
+)
+def test_cdi_install_names_the_option_value_and_a_normalised_fix(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], option: str, value: str, suggested: str
+) -> None:
+    # It named a path derived from the value (/a/../etc/etc/ld.so.cache) and suggested //etc/etc/ld.so.cache.
+    code = main(["cdi", "install", option, value], host=Host(root=tmp_path, runner=ScriptedRunner(), env={}))
+    err = capsys.readouterr().err
+    assert code == ExitCode.USAGE, err
+    assert f"{option} {value.rstrip('/')!r} is not an absolute path without '.' or '..'" in err
+    assert f"fix: give {option} as an absolute path, e.g. {suggested}\n" in err
+    assert "ld.so.cache" not in err and not (tmp_path / "etc").exists()
+
+
 def test_plugin_install_refuses_a_doctor_metrics_directory_with_a_newline(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
