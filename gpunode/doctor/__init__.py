@@ -22,6 +22,10 @@ FAILED_CHECK_IDS = {
     "check_plugin": "plugin.error",
     "check_capacity": "node.error",
     "check_cdi": "cdi.error",
+    "check_kubelet_api": "kubelet.api.error",
+    "check_dra_driver": "dra.error",
+    "check_dra_slices": "dra.slices.error",
+    "check_runtime_cdi": "runtime.cdi.error",
 }
 
 

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable
 
 from gpunode.doctor.cdi import check_cdi
 from gpunode.doctor.context import RUNTIMES, Context, kubelet_present, program_version
+from gpunode.doctor.dra import check_dra_driver, check_dra_slices, check_kubelet_api, check_runtime_cdi
 from gpunode.doctor.kubelet import check_kubelet
 from gpunode.doctor.model import Finding
 from gpunode.doctor.node import check_capacity
@@ -30,6 +31,10 @@ ALL_CHECKS: tuple[Callable[[Context], Iterable[Finding]], ...] = (
     check_runtimes,
     check_kubelet,
     check_plugin,
+    check_kubelet_api,
     check_capacity,
     check_cdi,
+    check_dra_driver,
+    check_dra_slices,
+    check_runtime_cdi,
 )

@@ -6,6 +6,7 @@ from collections.abc import Iterable
 
 from gpunode import paths
 from gpunode.doctor.context import Context, simulated_tag
+from gpunode.doctor.dra import dra_in_use, read_sides
 from gpunode.doctor.model import Finding, Status
 from gpunode.errors import GpunodeError, NotFound, NvmlError
 
@@ -16,6 +17,14 @@ def check_capacity(ctx: Context) -> Iterable[Finding]:
     """The node's advertised GPU capacity against the GPUs present: the "GPUs read 0" failure."""
     if not ctx.has_kubelet:
         yield Finding("node.capacity", Status.SKIP, "advertised capacity not checked: no kubelet")
+        return
+    if dra_in_use(ctx.host) and not read_sides(ctx.host).device_plugin:
+        # Under DRA the node advertises no nvidia.com/gpu: 0 is right there (dra.slices checks the GPUs).
+        yield Finding(
+            "node.capacity",
+            Status.SKIP,
+            "advertised capacity not checked: DRA serves the GPUs (see dra.slices)",
+        )
         return
     if ctx.simulated:
         # The API server advertises this node's real GPUs: comparing them with simulated ones says nothing.

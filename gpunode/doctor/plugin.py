@@ -6,6 +6,7 @@ from collections.abc import Iterable
 
 from gpunode import paths
 from gpunode.doctor.context import Context
+from gpunode.doctor.dra import dra_in_use
 from gpunode.doctor.model import Finding, Status
 from gpunode.errors import GpunodeError
 from gpunode.host import Host
@@ -44,6 +45,9 @@ def check_plugin(ctx: Context) -> Iterable[Finding]:
         )
     elif ours:
         yield Finding("plugin", Status.OK, f"a gpunode device plugin is serving ({ours})")
+    elif dra_in_use(host):
+        # No device plugin is what a DRA node should have: a second side would give the GPUs twice.
+        yield Finding("plugin", Status.SKIP, "no device plugin: DRA serves the GPUs (see kubelet.api)")
     else:
         yield Finding(
             "plugin",
