@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import pytest
@@ -12,26 +11,15 @@ import pytest
 from gpunode.cli.main import main
 from gpunode.errors import ExitCode
 from gpunode.host import CommandResult, Host
+from tests.scriptedrunner import FakeRunner
 
 UNIT_FILE = "etc/systemd/system/gpunode-device-plugin.service"
 
 
-class EnableFails:
+class EnableFails(FakeRunner):
     """systemctl that knows no unit and refuses `enable` (a broken systemd, a unit it will not load)."""
 
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, ...]] = []
-
-    def run(
-        self,
-        argv: Sequence[str],
-        *,
-        timeout: float,
-        env: Mapping[str, str] | None = None,
-        input: str | None = None,
-    ) -> CommandResult:
-        key = tuple(argv)
-        self.calls.append(key)
+    def answer(self, key: tuple[str, ...]) -> CommandResult:
         if key[:2] == ("systemctl", "show"):
             return CommandResult(key, 0, "LoadState=not-found\nActiveState=inactive\n", "")
         if key[:2] == ("systemctl", "enable"):

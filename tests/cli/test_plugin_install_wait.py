@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,32 +22,24 @@ from gpunode.cli.waitline import WaitLine
 from gpunode.errors import ExitCode
 from gpunode.host import CommandResult, Host
 from gpunode.systemd import service
+from tests.scriptedrunner import FakeRunner
 
 UNIT = service.UNIT
 WAITING = "waiting for gpunode-device-plugin.service to register with kubelet"
 
 
-class SlowSystemctl:
+class SlowSystemctl(FakeRunner):
     """systemctl for the plugin's unit: once started it is `activating` for `polls` polls, then active
     (Type=notify: the plugin registered)."""
 
     def __init__(self, polls: int) -> None:
+        super().__init__()
         self.polls = polls
         self.active = "inactive"
         self.enabled = False
         self.shows_since_start = 0
-        self.calls: list[tuple[str, ...]] = []
 
-    def run(
-        self,
-        argv: Sequence[str],
-        *,
-        timeout: float,
-        env: Mapping[str, str] | None = None,
-        input: str | None = None,
-    ) -> CommandResult:
-        key = tuple(argv)
-        self.calls.append(key)
+    def answer(self, key: tuple[str, ...]) -> CommandResult:
         if key[0] == "journalctl":
             return CommandResult(key, 0, "", "")
         verb = key[1]
@@ -239,17 +230,10 @@ def test_a_live_line_left_by_an_interrupt_is_cleared_on_close() -> None:
 class InterruptedShow(SlowSystemctl):
     """Ctrl-C on a terminal reaches `systemctl show` too (one process group): the runner raises it."""
 
-    def run(
-        self,
-        argv: Sequence[str],
-        *,
-        timeout: float,
-        env: Mapping[str, str] | None = None,
-        input: str | None = None,
-    ) -> CommandResult:
-        if tuple(argv[:2]) == ("systemctl", "show") and self.shows_since_start == 2:
+    def answer(self, key: tuple[str, ...]) -> CommandResult:
+        if key[:2] == ("systemctl", "show") and self.shows_since_start == 2:
             raise KeyboardInterrupt
-        return super().run(argv, timeout=timeout, env=env, input=input)
+        return super().answer(key)
 
 
 def test_ctrl_c_while_systemctl_is_asked_is_the_same_clear_state(

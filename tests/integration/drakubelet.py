@@ -57,6 +57,7 @@ from gpunode.dra.api import dra_v1beta1_pb2 as v1beta1_pb
 from gpunode.dra.api import dra_v1beta1_pb2_grpc as v1beta1_grpc
 from gpunode.dra.api import pluginregistration_pb2 as reg_pb
 from gpunode.dra.api import pluginregistration_pb2_grpc as reg_grpc
+from tests.integration.kubeletcommon import rpc_error_text, wait_until
 
 grpc: Any = importlib.import_module("grpc")
 # The generated service modules are untyped; going through Any keeps mypy --strict quiet about their calls.
@@ -489,14 +490,10 @@ class FakeDraKubelet:
         return self._wait(found, timeout, f"a wipe of {driver or 'all'} slices of {self.node_name}")
 
     def _wait(self, found: Callable[[], _T | None], timeout: float, what: str) -> _T:
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while (result := found()) is None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"fake DRA kubelet: waited {timeout} s for {what}; {self._summary()}")
-                self._cond.wait(left)
-            return result
+        def gave_up() -> str:
+            return f"fake DRA kubelet: waited {timeout} s for {what}; {self._summary()}"
+
+        return wait_until(self._cond, found, timeout, gave_up)
 
     def _summary(self) -> str:
         registered = [(r.driver, r.endpoint, r.version) for r in self._registrations]
@@ -547,7 +544,7 @@ class FakeDraKubelet:
         try:
             response = getattr(stub, method)(request, timeout=self.call_timeout)
         except grpc.RpcError as err:
-            error = f"{method} failed: {_describe(err)}"
+            error = f"{method} failed: {rpc_error_text(err)}"
         else:
             error = _check_response(method, claims, response)
             if error is None and method == "NodePrepareResources":
@@ -675,7 +672,8 @@ class FakeDraKubelet:
                 return self._reject(
                     instance,
                     "getinfo",
-                    f"failed to get plugin info using RPC GetInfo at socket {path}, err: {_describe(err)}",
+                    f"failed to get plugin info using RPC GetInfo at socket {path}, "
+                    f"err: {rpc_error_text(err)}",
                     notified=False,
                 )
 
@@ -684,7 +682,7 @@ class FakeDraKubelet:
                 try:
                     stub.NotifyRegistrationStatus(status, timeout=self.notify_timeout)
                 except grpc.RpcError as err:
-                    return _describe(err)
+                    return rpc_error_text(err)
                 return None
 
             problem, version, endpoint = self._validate(info, path)
@@ -995,10 +993,6 @@ def _health_of(device: Any) -> DeviceHealth:
         device.health_check_timeout_seconds,
         message,
     )
-
-
-def _describe(err: Any) -> str:
-    return f"rpc error: code = {err.code().name} desc = {err.details()}"
 
 
 def _is_socket(path: Path) -> bool:

@@ -38,6 +38,7 @@ from typing import Any, NamedTuple, NoReturn, TypeVar
 
 from gpunode.plugin.api import deviceplugin_pb2 as pb
 from gpunode.plugin.api import deviceplugin_pb2_grpc as pb_grpc
+from tests.integration.kubeletcommon import rpc_error_text, wait_until
 
 grpc: Any = importlib.import_module("grpc")
 # The generated service module is untyped; going through Any keeps mypy --strict quiet about its calls.
@@ -450,14 +451,10 @@ class FakeKubelet:
         return self._wait(found, timeout, f"the end of a ListAndWatch stream of {resource}")
 
     def _wait(self, found: Callable[[], _T | None], timeout: float, what: str) -> _T:
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while (result := found()) is None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"fake kubelet: waited {timeout} s for {what}; {self._summary()}")
-                self._cond.wait(left)
-            return result
+        def gave_up() -> str:
+            return f"fake kubelet: waited {timeout} s for {what}; {self._summary()}"
+
+        return wait_until(self._cond, found, timeout, gave_up)
 
     def _summary(self) -> str:
         registered = [(r.resource_name, r.endpoint) for r in self._registrations]
@@ -661,7 +658,7 @@ class FakeKubelet:
             except grpc.FutureTimeoutError:
                 continue
             except grpc.RpcError as err:
-                return None, f"failed to get device plugin options: {_describe(err)}"
+                return None, f"failed to get device plugin options: {rpc_error_text(err)}"
         call.cancel()
         return None, "failed to get device plugin options: kubelet is shutting down"
 
@@ -756,10 +753,6 @@ def _copy(options: pb.DevicePluginOptions) -> pb.DevicePluginOptions:
     copy = pb.DevicePluginOptions()
     copy.CopyFrom(options)
     return copy
-
-
-def _describe(err: Any) -> str:
-    return f"rpc error: code = {err.code().name} desc = {err.details()}"
 
 
 def _is_socket(path: Path) -> bool:

@@ -14,7 +14,7 @@ independently of gpunode's, with tomllib.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,7 @@ from gpunode.runtimes import crio
 from gpunode.runtimes.configure import apply, plan_configure, plan_revert
 from gpunode.runtimes.plan import ConfigureOptions, RuntimePlan
 from tests import tomlread
+from tests.scriptedrunner import FakeRunner
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "crio"
 NVIDIA = "/usr/bin/nvidia-container-runtime"
@@ -320,7 +321,7 @@ def test_crio_config_output_with_gpunode_dropin() -> None:
 
 
 @dataclass
-class FakeCrio:
+class FakeCrio(FakeRunner):
     """A runner answering `crio ... config` with the outputs given, in turn (the last one again after),
     keeping the files it was shown (the temp directory exists only during the call)."""
 
@@ -330,15 +331,7 @@ class FakeCrio:
     shown: list[dict[str, str]] = field(default_factory=list)
     calls: list[tuple[str, ...]] = field(default_factory=list)
 
-    def run(
-        self,
-        argv: Sequence[str],
-        *,
-        timeout: float,
-        env: Mapping[str, str] | None = None,
-        input: str | None = None,
-    ) -> CommandResult:
-        self.calls.append(tuple(argv))
+    def answer(self, argv: tuple[str, ...]) -> CommandResult:
         if argv[-1] != "config" or "--config-dir" not in argv:
             raise CommandFailed(f"`{argv[0]}` is not installed (not found on PATH)")
         main = Path(argv[argv.index("--config") + 1])
@@ -349,7 +342,7 @@ class FakeCrio:
                 files[str(path.relative_to(directory))] = path.read_text()
         self.shown.append(files)
         output = self.outputs[min(len(self.calls), len(self.outputs)) - 1]
-        return CommandResult(tuple(argv), self.returncode, output, self.stderr)
+        return CommandResult(argv, self.returncode, output, self.stderr)
 
 
 def crio_node(root: Path, runner: Any) -> Host:

@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import subprocess
-from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ import pytest
 from gpunode.errors import UsageError
 from gpunode.host import CommandResult, Host
 from gpunode.systemd import service
+from tests.scriptedrunner import FakeRunner
 
 GPUNODE = "/usr/local/bin/gpunode"
 TEXTFILES = "/var/lib/node_exporter/textfile_collector"
@@ -23,22 +23,10 @@ TIMER_PATH = f"/etc/systemd/system/{service.DOCTOR_TIMER}"
 DOCTOR_PATH = f"/etc/systemd/system/{service.DOCTOR_SERVICE}"
 
 
-class Systemctl:
+class Systemctl(FakeRunner):
     """Records every systemctl call; `show` answers an installed, running plugin unit."""
 
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, ...]] = []
-
-    def run(
-        self,
-        argv: Sequence[str],
-        *,
-        timeout: float,
-        env: Mapping[str, str] | None = None,
-        input: str | None = None,
-    ) -> CommandResult:
-        key = tuple(argv)
-        self.calls.append(key)
+    def answer(self, key: tuple[str, ...]) -> CommandResult:
         if key[:2] == ("systemctl", "show"):
             text = "LoadState=loaded\nActiveState=active\nSubState=running\nUnitFileState=enabled\n"
             return CommandResult(key, 0, text, "")

@@ -4,7 +4,6 @@ nothing else, and an install that failed after writing says `changed: true`."""
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import pytest
@@ -23,18 +22,10 @@ UNIT = service.UNIT
 class FailingEnable(FakeSystemctl):
     """systemd that refuses to enable the unit (a masked unit, a read-only /etc/systemd)."""
 
-    def run(
-        self,
-        argv: Sequence[str],
-        *,
-        timeout: float,
-        env: Mapping[str, str] | None = None,
-        input: str | None = None,
-    ) -> CommandResult:
-        if tuple(argv[:2]) == ("systemctl", "enable"):
-            self.calls.append(tuple(argv))
-            return CommandResult(tuple(argv), 1, "", "Failed to enable unit: Unit file is masked.")
-        return super().run(argv, timeout=timeout, env=env, input=input)
+    def answer(self, key: tuple[str, ...]) -> CommandResult:
+        if key[:2] == ("systemctl", "enable"):
+            return CommandResult(key, 1, "", "Failed to enable unit: Unit file is masked.")
+        return super().answer(key)
 
 
 def node(tmp_path: Path, systemctl: FakeSystemctl) -> Host:

@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 import subprocess
-from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import pytest
@@ -19,30 +18,22 @@ from gpunode.cli.main import main
 from gpunode.errors import CommandFailed, ConfigError, ExitCode, GpunodeError, PermissionDenied
 from gpunode.host import CommandResult, Host
 from gpunode.systemd import service
+from tests.scriptedrunner import FakeRunner
 
 UNIT = service.UNIT
 GPUNODE = "/usr/local/bin/gpunode"
 
 
-class FakeSystemctl:
+class FakeSystemctl(FakeRunner):
     """systemctl for one unit: enable/disable, start/stop/restart/reload, show; READY after `ready_after`."""
 
     def __init__(self, ready: bool = True) -> None:
+        super().__init__()
         self.enabled = False
         self.active = "inactive"
         self.ready = ready
-        self.calls: list[tuple[str, ...]] = []
 
-    def run(
-        self,
-        argv: Sequence[str],
-        *,
-        timeout: float,
-        env: Mapping[str, str] | None = None,
-        input: str | None = None,
-    ) -> CommandResult:
-        key = tuple(argv)
-        self.calls.append(key)
+    def answer(self, key: tuple[str, ...]) -> CommandResult:
         if key[0] == "journalctl":
             return CommandResult(key, 0, "gpunode: waiting for kubelet\n", "")
         assert key[0] == "systemctl", key

@@ -17,31 +17,10 @@ options:
   node:
     description: node name to withdraw from
     type: str
-  kubeconfig:
-    description: 'kubeconfig file on the target (default gpunode''s search: $KUBECONFIG, ~/.kube/config, kubelet.conf,
-      k3s/RKE2''s, in-cluster)'
-    type: path
-  kubeconfig_content:
-    description: 'the kubeconfig itself (a secret: never logged or returned); written for the run to a file private
-      to root (/run/gpunode-ansible, under root with I(root)) and removed'
-    type: str
-  context:
-    description: kubeconfig context
-    type: str
-  server:
-    description: API server URL overriding the kubeconfig's
-    type: str
-  request_timeout:
-    description: 'per-request timeout, as kubectl: 30, 10s, 1m'
-    type: str
-  gpunode_path:
-    description: the gpunode command; default PATH, then /usr/local/bin and /opt/gpunode/bin
-    type: path
-  root:
-    description: gpunode's C(--root)
-    type: path
 extends_documentation_fragment:
+  - gpunode.gpunode.gpunode
   - ansible.builtin.action_common_attributes
+  - gpunode.gpunode.gpunode.kube
 attributes:
   check_mode:
     support: full
@@ -50,18 +29,6 @@ attributes:
   diff_mode:
     support: full
     details: each step that changes something, with gpunode's files, diffs and commands
-  platform:
-    support: full
-    platforms: posix
-    details: Linux targets where gpunode runs (Debian, Ubuntu, RHEL and compatible, SUSE)
-requirements:
-  - gpunode on the target (C(./install.sh) from the gpunode checkout), found on PATH, in /usr/local/bin or /opt/gpunode/bin,
-    or given as I(gpunode_path)
-  - root on the target (C(become)) for anything but check mode, as gpunode itself requires
-notes:
-  - The module reads gpunode's one C(--json) document (docs/json.md), never its text; C(changed) is gpunode's own,
-    so a second run with the same arguments reports C(changed=false) and writes nothing.
-  - On failure the result carries gpunode's C(msg), C(fix) and C(exit_code), and the whole document under C(gpunode).
 author: gpunode developers (@gpunode)
 """
 

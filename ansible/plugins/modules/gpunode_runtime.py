@@ -54,13 +54,11 @@ options:
   restart:
     description: restart the runtime and check it came back; default gpunode's (on, unless config points elsewhere)
     type: bool
-  gpunode_path:
-    description: the gpunode command; default PATH, then /usr/local/bin and /opt/gpunode/bin
-    type: path
   root:
     description: gpunode's C(--root) (an image or chroot)
     type: path
 extends_documentation_fragment:
+  - gpunode.gpunode.gpunode
   - ansible.builtin.action_common_attributes
 attributes:
   check_mode:
@@ -70,18 +68,6 @@ attributes:
   diff_mode:
     support: full
     details: gpunode's unified diff of every file it writes
-  platform:
-    support: full
-    platforms: posix
-    details: Linux targets where gpunode runs (Debian, Ubuntu, RHEL and compatible, SUSE)
-requirements:
-  - gpunode on the target (C(./install.sh) from the gpunode checkout), found on PATH, in /usr/local/bin or /opt/gpunode/bin,
-    or given as I(gpunode_path)
-  - root on the target (C(become)) for anything but check mode, as gpunode itself requires
-notes:
-  - The module reads gpunode's one C(--json) document (docs/json.md), never its text; C(changed) is gpunode's own,
-    so a second run with the same arguments reports C(changed=false) and writes nothing.
-  - On failure the result carries gpunode's C(msg), C(fix) and C(exit_code), and the whole document under C(gpunode).
 author: gpunode developers (@gpunode)
 """
 
