@@ -60,6 +60,7 @@ from gpunode.host import Host
 from gpunode.nvml.model import Inventory
 from gpunode.plugin.devices import DeviceRegistry, Unit
 from gpunode.plugin.health import LOST_REASON, HealthMonitor, HealthSettings
+from gpunode.plugin.migwatch import MigWatcher, mig_capable
 
 log = logging.getLogger("gpunode.dra")
 
@@ -395,6 +396,8 @@ class DraDriver:
         self._registry = DeviceRegistry(on_health_change=self._health_changed)
         self._health = HealthState(self._registry)
         self._monitor: HealthMonitor | None = None
+        self._mig_watch: MigWatcher | None = None
+        self._mig_change = threading.Event()
         self._publisher: Publisher | None = None
         self._preparer: Preparer | None = None
         self._published: tuple[int, str | None] = (0, None)
@@ -408,6 +411,12 @@ class DraDriver:
 
     def request_reload(self) -> None:
         self._reload.set()
+        with self._cond:
+            self._cond.notify_all()
+
+    def _mig_changed(self) -> None:
+        """The MIG watcher's thread saw the geometry change: the main loop reads the GPUs again."""
+        self._mig_change.set()
         with self._cond:
             self._cond.notify_all()
 
@@ -499,10 +508,18 @@ class DraDriver:
             self._publisher.start()
             while not self.stopping.is_set():
                 with self._cond:
-                    self._cond.wait_for(lambda: self.stopping.is_set() or self._reload.is_set())
-                if self._reload.is_set() and not self.stopping.is_set():
+                    self._cond.wait_for(
+                        lambda: self.stopping.is_set() or self._reload.is_set() or self._mig_change.is_set()
+                    )
+                if self.stopping.is_set():
+                    break
+                if self._reload.is_set():
                     self._reload.clear()
-                    self._do_reload()
+                    self._mig_change.clear()
+                    self._do_reload("SIGHUP")
+                elif self._mig_change.is_set():
+                    self._mig_change.clear()
+                    self._do_reload("the MIG geometry changed")
         finally:
             self._shutdown()
 
@@ -556,6 +573,10 @@ class DraDriver:
             return
         self._monitor = HealthMonitor(self._registry, self.inventory.gpus, self._health_settings)
         self._monitor.start()
+        if any(mig_capable(g) for g in self.inventory.gpus):
+            # MIG devices created or destroyed (nvidia-smi mig, a MIG manager) change the slices' devices.
+            self._mig_watch = MigWatcher(self.inventory.gpus, self._mig_changed)
+            self._mig_watch.start()
 
     def _node_uid(self) -> str | None:
         """The Node's UID owns the slices (they go with the Node); without it they are only unowned."""
@@ -568,8 +589,8 @@ class DraDriver:
             return None
         return str(uid) if uid else None
 
-    def _do_reload(self) -> None:
-        log.info("SIGHUP: reading the node's GPUs again")
+    def _do_reload(self, why: str) -> None:
+        log.info("%s: reading the node's GPUs again", why)
         try:
             inventory = self._read_inventory()
         except GpunodeError as exc:
@@ -581,8 +602,12 @@ class DraDriver:
             self._monitor.stop()
             self._monitor = HealthMonitor(self._registry, inventory.gpus, self._health_settings)
             self._monitor.start()
+        if self._mig_watch is not None:
+            self._mig_watch.update(inventory.gpus)
         self._health_changed()
-        log.info("reloaded: %d GPU(s)", len(inventory.gpus))
+        log.info(
+            "read again: %d GPU(s), %d device(s) to publish", len(inventory.gpus), len(self.node_devices())
+        )
 
     def _health_changed(self) -> None:
         with self._cond:
@@ -632,6 +657,8 @@ class DraDriver:
         self._servers = []
         if self._publisher is not None:
             self._publisher.stop()
+        if self._mig_watch is not None:
+            self._mig_watch.stop()
         if self._monitor is not None:
             self._monitor.stop()
         self._registry.close()

@@ -51,8 +51,14 @@ class DraProcess:
     """One `python -m gpunode dra run` with private directories and its output in a file."""
 
     def __init__(
-        self, base: Path, kubeconfig: Path, *, control: Path | None = None, args: tuple[str, ...] = ()
-    ):
+        self,
+        base: Path,
+        kubeconfig: Path,
+        *,
+        control: Path | None = None,
+        args: tuple[str, ...] = (),
+        profile: str = "pcie-4",
+    ) -> None:
         self.base = base
         env = {
             k: v
@@ -63,7 +69,7 @@ class DraProcess:
         self.log_path = base / f"dra-{id(self)}.log"
         self.env = {
             **env,
-            **fakenvml.env("pcie-4", None, control),
+            **fakenvml.env(profile, None, control),
             "PYTHONPATH": str(REPO),
             "NODE_NAME": NODE,
             "KUBECONFIG": str(kubeconfig),
@@ -279,3 +285,28 @@ def test_second_driver_of_the_same_name_is_refused(
         assert (base / "registry" / f"{DRIVER}-reg.sock").exists()
         assert first.proc is not None and first.proc.poll() is None
         assert kubelet.connected(DRIVER)
+
+
+def test_mig_devices_created_and_destroyed_reach_the_slices_and_the_stream(
+    base: Path, api: ApiServer, kubelet: FakeDraKubelet, kubeconfig: Path
+) -> None:
+    control = base / "nvml-control"
+    control.write_text("")
+    with DraProcess(base, kubeconfig, control=control, profile="mig") as driver:
+        kubelet.wait_registered(DRIVER, timeout=WAIT)
+        before = set(wait_for(lambda: devices_of(api) or None, "the first slices", driver))
+        assert any("-mig-" in name for name in before)
+        wait_for(lambda: "MIG watcher" in driver.log(), "the MIG watcher", driver)
+        fakenvml.inject(control, "mig-create 0 3g.20gb 2")
+        after = set(
+            wait_for(
+                lambda: devices_of(api) if len(devices_of(api)) > len(before) else None,
+                "a new MIG device",
+                driver,
+            )
+        )
+        (new,) = after - before
+        assert new.startswith("gpu-0-mig-3g20gb-")  # GPU instance 2 in the first free placement
+        kubelet.wait_health(DRIVER, lambda h: (NODE, new) in h, timeout=WAIT)
+        fakenvml.inject(control, "mig-destroy 0 2")
+        wait_for(lambda: new not in devices_of(api), "the destroyed MIG device gone from the slices", driver)
