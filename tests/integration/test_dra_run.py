@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -310,3 +311,35 @@ def test_mig_devices_created_and_destroyed_reach_the_slices_and_the_stream(
         kubelet.wait_health(DRIVER, lambda h: (NODE, new) in h, timeout=WAIT)
         fakenvml.inject(control, "mig-destroy 0 2")
         wait_for(lambda: new not in devices_of(api), "the destroyed MIG device gone from the slices", driver)
+
+
+def test_stale_sockets_replaced_ready_notified_after_serving_sighup_rereads(
+    base: Path, api: ApiServer, kubelet: FakeDraKubelet, kubeconfig: Path
+) -> None:
+    # Sockets a killed driver left: bound once, nobody listening.
+    stale = [base / "registry" / f"{DRIVER}-reg.sock", base / "plugins" / DRIVER / "dra.sock"]
+    for path in stale:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.bind(str(path))
+    notify_path = base / "notify.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify:
+        notify.bind(str(notify_path))
+        notify.settimeout(WAIT)
+        driver = DraProcess(base, kubeconfig)
+        driver.env["NOTIFY_SOCKET"] = str(notify_path)
+        with driver:
+            message = notify.recv(4096).decode()
+            assert "READY=1" in message
+            # READY only once both sockets are served: kubelet can register the driver at once.
+            assert all(p.is_socket() for p in stale)
+            kubelet.wait_registered(DRIVER, timeout=WAIT)
+            wait_for(lambda: len(devices_of(api)) == 4, "the slices", driver)
+            assert driver.proc is not None
+            driver.proc.send_signal(signal.SIGHUP)
+            wait_for(
+                lambda: "read again: 4 GPU(s), 4 device(s)" in driver.log(), "the SIGHUP re-read", driver
+            )
+            assert driver.proc.poll() is None and kubelet.connected(DRIVER)
+            assert driver.stop() == 0
+            assert "STOPPING=1" in notify.recv(4096).decode()

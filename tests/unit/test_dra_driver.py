@@ -7,7 +7,19 @@ import copy
 import threading
 from typing import Any
 
-from gpunode.dra.driver import DraDriver, DriverSettings, HealthState, Publisher, _HealthService, trouble_of
+from gpunode.dra.api import dra_v1_pb2 as v1_pb
+from gpunode.dra.api import dra_v1beta1_pb2 as v1beta1_pb
+from gpunode.dra.checkpoint import Device as CheckpointDevice
+from gpunode.dra.driver import (
+    DraDriver,
+    DriverSettings,
+    HealthState,
+    Publisher,
+    _DraService,
+    _HealthService,
+    trouble_of,
+)
+from gpunode.dra.prepare import ClaimRef, PrepareResult
 from gpunode.dra.slices import SliceSettings, Trouble
 from gpunode.errors import ApiError
 from gpunode.host import Host
@@ -211,3 +223,35 @@ def test_health_stream_sends_the_full_list_again_without_a_change() -> None:
     third = next(stream)
     assert [(d.device.device_name, d.health) for d in third.devices] == [("gpu-0", 2), ("gpu-1", 1)]
     assert "79" in third.devices[0].message
+
+
+class _OnePreparer:
+    """Answers every claim with one device carrying a share ID, or an error for claim 'bad'."""
+
+    def prepare(self, refs: list[ClaimRef]) -> dict[str, PrepareResult]:
+        device = CheckpointDevice(("gpu",), NODE, "gpu-0", ("k8s.gpu.nvidia.com/claim=u-gpu-0",), "share-1")
+        return {
+            r.uid: PrepareResult(error="claim refused") if r.name == "bad" else PrepareResult((device,))
+            for r in refs
+        }
+
+
+def _request(pb: Any) -> Any:
+    return pb.NodePrepareResourcesRequest(
+        claims=[
+            pb.Claim(namespace="ml", uid="u1", name="good"),
+            pb.Claim(namespace="ml", uid="u2", name="bad"),
+        ]
+    )
+
+
+def test_prepare_answers_per_claim_in_both_versions_and_v1beta1_has_no_share_id() -> None:
+    preparer: Any = _OnePreparer()
+    v1 = _DraService(lambda: preparer, v1_pb, True).NodePrepareResources(_request(v1_pb), None)
+    assert v1.claims["u1"].devices[0].share_id == "share-1"
+    assert list(v1.claims["u1"].devices[0].cdi_device_ids) == ["k8s.gpu.nvidia.com/claim=u-gpu-0"]
+    assert v1.claims["u2"].error == "claim refused" and not v1.claims["u2"].devices
+    beta = _DraService(lambda: preparer, v1beta1_pb, False).NodePrepareResources(_request(v1beta1_pb), None)
+    assert beta.claims["u1"].devices[0].device_name == "gpu-0"
+    assert list(beta.claims["u1"].devices[0].request_names) == ["gpu"]
+    assert beta.claims["u2"].error == "claim refused"
