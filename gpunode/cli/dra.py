@@ -172,7 +172,15 @@ def _node_name(ctx: click.Context, param: click.Parameter, value: str | None) ->
     """--node-name, NODE_NAME (a DaemonSet's downward API), else the host name as kubelet takes it."""
     import socket
 
-    return (value or socket.gethostname()).strip().lower()
+    from gpunode.dra.slices import SliceSettings
+    from gpunode.errors import ConfigError
+
+    name = (value or socket.gethostname()).strip().lower()
+    try:
+        SliceSettings(node_name=name)  # checked as the slices check it, before anything is served
+    except ConfigError as exc:
+        raise click.BadParameter(f"{exc.message}; {exc.fix}" if exc.fix else exc.message) from None
+    return name
 
 
 @app.command(
@@ -303,10 +311,7 @@ def run(
     SIGHUP re-reads the GPUs."""
     from gpunode.cli.state import state
     from gpunode.dra.driver import DriverSettings, run_driver
-    from gpunode.dra.slices import SliceSettings
 
-    # The node name is checked as the slices check it, before anything is served.
-    SliceSettings(node_name=node_name, driver=driver)
     settings = DriverSettings(
         driver=driver,
         node_name=node_name,

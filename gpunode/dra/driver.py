@@ -821,7 +821,8 @@ def kube_source(host: Host, settings: DriverSettings) -> Callable[[], Any]:
     def make() -> Any:
         from gpunode.kube.client import KubeClient
 
-        kubeconfig = settings.kubeconfig or host.env.get("KUBECONFIG") or DEFAULT_KUBECONFIG
+        # KUBECONFIG is read as kubectl reads it (a list of files); kubelet's own file only without either.
+        kubeconfig = settings.kubeconfig or (None if host.env.get("KUBECONFIG") else DEFAULT_KUBECONFIG)
         return KubeClient.from_host(host, kubeconfig=kubeconfig)
 
     return make
