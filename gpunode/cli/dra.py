@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from gpunode.cli.common import Group, checked, exit_codes
+from gpunode.cli.common import Group, checked, complete_simulate, exit_codes
 from gpunode.cli.node import kube_options
 
 if TYPE_CHECKING:
@@ -16,7 +16,8 @@ if TYPE_CHECKING:
 @click.group(
     "dra",
     cls=Group,
-    help="Dynamic Resource Allocation (resource.k8s.io/v1): the DeviceClasses that select this node's GPUs.",
+    help="Dynamic Resource Allocation (resource.k8s.io/v1): the kubelet plugin that serves this node's GPUs "
+    "and the DeviceClasses that select them.",
     epilog=exit_codes("0    done; each command's --help lists what else it exits with"),
 )
 def app() -> None:
@@ -158,3 +159,171 @@ def _render(changes: list[ClassChange], *, dry_run: bool) -> None:
             click.echo(change.diff, nl=not change.diff.endswith("\n"))
     if dry_run:
         click.echo("dry run: nothing was changed")
+
+
+def _simulate(name: str | None) -> None:
+    if name:
+        from gpunode.plugin.simulate import check_profile
+
+        check_profile(name)
+
+
+def _node_name(ctx: click.Context, param: click.Parameter, value: str | None) -> str:
+    """--node-name, NODE_NAME (a DaemonSet's downward API), else the host name as kubelet takes it."""
+    import socket
+
+    from gpunode.dra.slices import SliceSettings
+    from gpunode.errors import ConfigError
+
+    name = (value or socket.gethostname()).strip().lower()
+    try:
+        SliceSettings(node_name=name)  # checked as the slices check it, before anything is served
+    except ConfigError as exc:
+        raise click.BadParameter(f"{exc.message}; {exc.fix}" if exc.fix else exc.message) from None
+    return name
+
+
+@app.command(
+    "run",
+    epilog=exit_codes(
+        "0    stopped by SIGTERM or SIGINT",
+        "3    another live driver of this name is registered on the node",
+        "6    no Kubernetes credentials were found",
+        "7    NVML cannot be used",
+    ),
+)
+@click.option(
+    "--driver",
+    default="gpu.nvidia.com",
+    show_default=True,
+    envvar="GPUNODE_DRA_DRIVER",
+    metavar="NAME",
+    callback=checked(_driver),
+    shell_complete=_complete_driver,
+    help="The DRA driver name (ResourceSlices' spec.driver, the sockets' names). Env GPUNODE_DRA_DRIVER.",
+)
+@click.option(
+    "--node-name",
+    envvar="NODE_NAME",
+    metavar="NAME",
+    callback=_node_name,
+    help="This node's name in Kubernetes: the pool and the slices' nodeName. Env NODE_NAME; default the "
+    "host name.",
+)
+@click.option(
+    "--kubeconfig",
+    type=click.Path(dir_okay=False),
+    metavar="FILE",
+    help="The node's credentials. Default: KUBECONFIG, else kubelet's /etc/kubernetes/kubelet.conf.",
+)
+@click.option(
+    "--plugins-dir",
+    default="/var/lib/kubelet/plugins",
+    show_default=True,
+    envvar="GPUNODE_DRA_PLUGINS_DIR",
+    type=click.Path(file_okay=False),
+    help="Where <driver>/dra.sock and the checkpoint go. Env GPUNODE_DRA_PLUGINS_DIR.",
+)
+@click.option(
+    "--registry-dir",
+    default="/var/lib/kubelet/plugins_registry",
+    show_default=True,
+    envvar="GPUNODE_DRA_REGISTRY_DIR",
+    type=click.Path(file_okay=False),
+    help="kubelet's plugin registration directory (<driver>-reg.sock). Env GPUNODE_DRA_REGISTRY_DIR.",
+)
+@click.option(
+    "--cdi-dir",
+    default="/var/run/cdi",
+    show_default=True,
+    envvar="GPUNODE_DRA_CDI_DIR",
+    type=click.Path(file_okay=False),
+    help="Where each prepared claim's CDI spec is written. Env GPUNODE_DRA_CDI_DIR.",
+)
+@click.option(
+    "--driver-root",
+    default="/",
+    show_default=True,
+    envvar="GPUNODE_DRA_DRIVER_ROOT",
+    type=click.Path(file_okay=False),
+    help="Where the NVIDIA driver's files are (/run/nvidia/driver for a containerised driver). "
+    "Env GPUNODE_DRA_DRIVER_ROOT.",
+)
+@click.option(
+    "--dev-root",
+    envvar="GPUNODE_DRA_DEV_ROOT",
+    type=click.Path(file_okay=False),
+    help="Where the driver's /dev is. Default: the driver root. Env GPUNODE_DRA_DEV_ROOT.",
+)
+@click.option(
+    "--lost-gpu-effect",
+    type=click.Choice(["NoSchedule", "NoExecute"]),
+    default="NoSchedule",
+    show_default=True,
+    envvar="GPUNODE_DRA_LOST_GPU_EFFECT",
+    help="The taint effect of a GPU fallen off the bus (NoExecute evicts its pods). "
+    "Env GPUNODE_DRA_LOST_GPU_EFFECT.",
+)
+@click.option(
+    "--recovery-quiet-period",
+    type=click.FloatRange(min=0),
+    default=60.0,
+    show_default=True,
+    envvar="GPUNODE_DRA_RECOVERY_QUIET_PERIOD",
+    metavar="SECONDS",
+    help="How long NVML must report an unhealthy GPU fine before it is healthy again (its taint removed); "
+    "0: never on its own. Env GPUNODE_DRA_RECOVERY_QUIET_PERIOD.",
+)
+@click.option(
+    "--status-file",
+    default="/run/gpunode/dra.json",
+    show_default=True,
+    envvar="GPUNODE_DRA_STATUS_FILE",
+    type=click.Path(dir_okay=False),
+    help="Where the running driver writes its status (removed at exit). Env GPUNODE_DRA_STATUS_FILE.",
+)
+@click.option(
+    "--simulate",
+    metavar="NODE",
+    envvar="GPUNODE_DRA_SIMULATE",
+    callback=checked(_simulate),
+    shell_complete=complete_simulate,
+    help="Serve a built-in simulated node instead of NVML's GPUs (no health is watched).",
+)
+@click.pass_context
+def run(
+    ctx: click.Context,
+    driver: str,
+    node_name: str,
+    kubeconfig: str | None,
+    plugins_dir: str,
+    registry_dir: str,
+    cdi_dir: str,
+    driver_root: str,
+    dev_root: str | None,
+    lost_gpu_effect: str,
+    recovery_quiet_period: float,
+    status_file: str,
+    simulate: str | None,
+) -> None:
+    """Run the DRA kubelet plugin in the foreground: serve NodePrepareResources and the health stream,
+    register with kubelet, and publish this node's GPUs as ResourceSlices. SIGTERM/SIGINT stop it,
+    SIGHUP re-reads the GPUs."""
+    from gpunode.cli.state import state
+    from gpunode.dra.driver import DriverSettings, run_driver
+
+    settings = DriverSettings(
+        driver=driver,
+        node_name=node_name,
+        plugins_dir=plugins_dir,
+        registry_dir=registry_dir,
+        kubeconfig=kubeconfig,
+        driver_root=driver_root.rstrip("/") or "/",
+        dev_root=(dev_root.rstrip("/") or "/") if dev_root else None,
+        cdi_dir=cdi_dir,
+        simulate=simulate,
+        lost_effect="NoExecute" if lost_gpu_effect == "NoExecute" else "NoSchedule",
+        status_file=status_file or None,
+        recovery_quiet_period=recovery_quiet_period,
+    )
+    run_driver(state(ctx).host, settings, debug=state(ctx).debug)
