@@ -728,6 +728,12 @@ def real_node(tmp_path: Path) -> RealNode:
     (root / CONFIG.lstrip("/")).write_bytes((REPO / "tests/fixtures/containerd/default-v2.toml").read_bytes())
     (root / PLUGIN_CONFIG.lstrip("/")).parent.mkdir(parents=True)
     (root / PLUGIN_CONFIG.lstrip("/")).write_text(OLD_PLUGIN_TOML)
+    # gpunode installed in the image at the path its unit names: install under --root refuses a unit whose
+    # ExecStart names a program the root lacks.
+    program = root / str(GPUNODE).lstrip("/")
+    program.parent.mkdir(parents=True)
+    program.write_text("#!/bin/sh\n")
+    program.chmod(0o755)
     fakebin = tmp_path / "bin"
     fakebin.mkdir()
     (fakebin / "systemctl").write_text(FAKE_SYSTEMCTL)
