@@ -70,7 +70,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "dra": (
         "gpunode.cli.dra",
         "app",
-        "Dynamic Resource Allocation (resource.k8s.io/v1): the DeviceClasses that select this node's GPUs.",
+        "Dynamic Resource Allocation (resource.k8s.io/v1): the kubelet plugin that serves this node's GPUs "
+        "and the DeviceClasses that select them.",
     ),
     "completion": (
         "gpunode.cli.completion",
