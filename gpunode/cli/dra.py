@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -327,3 +327,247 @@ def run(
         recovery_quiet_period=recovery_quiet_period,
     )
     run_driver(state(ctx).host, settings, debug=state(ctx).debug)
+
+
+# `dra install|uninstall|status`: the systemd form, on the plugin's machinery (gpunode/systemd/service.py,
+# spec service.DRA) and the plugin commands' rendering, so both services keep the same guarantees.
+
+
+@app.command(
+    "install",
+    epilog=exit_codes(
+        "0    installed and registered with kubelet (or already so)",
+        "3    gpunode's device-plugin service is installed and enabled (one side per node)",
+        "5    not root (without --dry-run)",
+        "6    under --root: the gpunode program the unit names is not in the root",
+        "8    the driver did not become ready within 120 s",
+    ),
+)
+@click.option("--dry-run", is_flag=True, help="Print the unit and the commands; change nothing.")
+@click.option("--no-start", is_flag=True, help="Install and enable, but do not start it now.")
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print one JSON document (schema gpunode.dra-install/v1)."
+)
+@click.pass_context
+def install(ctx: click.Context, dry_run: bool, no_start: bool, as_json: bool) -> None:
+    """Install the DRA driver as the systemd service gpunode-dra-driver, start it, wait until registered.
+    Its settings come from /etc/default/gpunode-dra-driver (the variables of `dra run`)."""
+    from gpunode import jsonout
+    from gpunode.cli.plugin import _plan_json, _print_links, _print_plan
+    from gpunode.cli.state import state
+    from gpunode.systemd import service
+
+    spec = service.DRA
+    if as_json:
+        jsonout.request("dra-install", dry_run=dry_run)
+    host = state(ctx).host
+    if not dry_run:
+        service.require_root(host, "dra install")
+    plan = service.plan_install(
+        host, config_file=None, start=not no_start, executable=service.gpunode_executable(), spec=spec
+    )
+    if dry_run:
+        if as_json:
+            jsonout.emit(jsonout.document("dra-install", changed=False, dry_run=True, **_plan_json(plan)))
+        else:
+            _print_plan(plan, host)
+        return
+    # Under --root this machine's systemd knows nothing of the root's units: it is not asked.
+    if plan.changes_nothing and (
+        no_start or host.offline or service.service_state(host, spec=spec).active == "active"
+    ):
+        current = None if host.offline else service.service_state(host, spec=spec)
+        state_field: dict[str, Any] = {} if current is None else {"state": _dra_state_json(current)}
+        if as_json:
+            jsonout.emit(jsonout.document("dra-install", changed=False, **_plan_json(plan), **state_field))
+            return
+        click.echo(f"{spec.unit} is installed and up to date; nothing to do")
+        if current is not None:
+            _print_dra_state(current)
+        return
+    if not as_json:
+        for note in plan.notes:
+            click.echo(f"note: {note}")
+    from gpunode.cli.waitline import WaitLine
+
+    # The wait for the driver to register can last 120 s: its progress goes to stderr, never to stdout.
+    with WaitLine() as waiting:
+        try:
+            result = service.apply_install(host, plan, progress=waiting)
+        finally:
+            if as_json:
+                jsonout.update(**waiting.json())  # an error document (Ctrl-C, a timeout) carries it too
+    if as_json:
+        state_field = {} if host.offline else {"state": _dra_state_json(result)}
+        doc = jsonout.document("dra-install", changed=True, **_plan_json(plan), **state_field)
+        jsonout.emit({**doc, **waiting.json()})
+        return
+    for f in plan.files:
+        click.echo(f"{'wrote' if f.changed else 'unchanged'} {f.path}")
+    _print_links(plan, host, done=True)
+    for argv in plan.commands:
+        click.echo(f"ran {' '.join(argv)}")
+    if waiting.last is not None:
+        click.echo(f"waited {waiting.last.elapsed:.0f} s for {waiting.last.what}")
+    if not host.offline:
+        _print_dra_state(result)
+
+
+@app.command(
+    "uninstall",
+    epilog=exit_codes("0    removed (or was not installed)", "5    not root (without --dry-run)"),
+)
+@click.option("--dry-run", is_flag=True, help="Print what would be stopped and removed.")
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print one JSON document (schema gpunode.dra-uninstall/v1)."
+)
+@click.pass_context
+def uninstall(ctx: click.Context, dry_run: bool, as_json: bool) -> None:
+    """Stop and disable the service and remove the files `dra install` wrote (nothing else: a file
+    changed since is left in place)."""
+    from gpunode import jsonout
+    from gpunode.cli.plugin import _plan_json, _print_links, _print_plan
+    from gpunode.cli.state import state
+    from gpunode.systemd import service
+
+    if as_json:
+        jsonout.request("dra-uninstall", dry_run=dry_run)
+    host = state(ctx).host
+    if not dry_run:
+        service.require_root(host, "dra uninstall")
+    plan = service.plan_uninstall(host, service.DRA)
+    if dry_run:
+        if as_json:
+            jsonout.emit(jsonout.document("dra-uninstall", changed=False, dry_run=True, **_plan_json(plan)))
+        else:
+            _print_plan(plan, host)
+        return
+    if not plan.changes_nothing:
+        service.apply_uninstall(host, plan)
+    if as_json:
+        jsonout.emit(jsonout.document("dra-uninstall", changed=not plan.changes_nothing, **_plan_json(plan)))
+        return
+    if plan.changes_nothing:
+        click.echo(f"{service.DRA.unit} is not installed; nothing to do")
+    else:
+        for argv in plan.commands:
+            click.echo(f"ran {' '.join(argv)}")
+        for path in plan.remove:
+            click.echo(f"removed {path}")
+        _print_links(plan, host, done=True)
+    for note in plan.notes:
+        click.echo(f"note: {note}")
+
+
+def _absolute(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    # `dra run` writes where it was told; a relative path names no file a driver writes.
+    if value is not None and not value.startswith("/"):
+        raise click.BadParameter(
+            f"{value!r} is not an absolute path; give the path the driver was started with "
+            "(`dra run --status-file`)"
+        )
+    return value
+
+
+@app.command(
+    "status",
+    epilog=exit_codes(
+        "0    the driver is running and serving (and the service active, where systemd runs it)",
+        "1    it is not, or no status file was found (the output says where it looked)",
+    ),
+)
+@click.option(
+    "--status-file",
+    metavar="PATH",
+    callback=_absolute,
+    help="Read this status file (a driver started by hand: `dra run --status-file`, env "
+    "GPUNODE_DRA_STATUS_FILE). Default: where the systemd unit tells the service to write it, else "
+    "/run/gpunode/dra.json.",
+)
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print one JSON document (schema gpunode.dra-status/v1)."
+)
+@click.pass_context
+def status(ctx: click.Context, status_file: str | None, as_json: bool) -> None:
+    """The DRA driver's state: its sockets, its devices' health, the slices' generation and last API
+    error, and the service's state where systemd runs it."""
+    from gpunode import jsonout
+    from gpunode.cli.state import state
+    from gpunode.errors import ExitCode
+    from gpunode.systemd import service
+
+    if as_json:
+        jsonout.request("dra-status")
+    host = state(ctx).host
+    current = service.service_state(host, status_file=status_file, env=host.env, spec=service.DRA)
+    ok = _dra_ok(current)
+    if as_json:
+        jsonout.emit(jsonout.document("dra-status", changed=False, ready=ok, **_dra_state_json(current)))
+    else:
+        _print_dra_state(current)
+    if not ok:
+        raise click.exceptions.Exit(int(ExitCode.UNHEALTHY))
+
+
+def _dra_ok(current: Any) -> bool:
+    """Serving, its process alive and, when the file is the service's, the unit active (a file left by a
+    driver that was killed would still say serving)."""
+    lookup = current.lookup
+    document = lookup.document
+    if not document or document.get("state") != "serving" or lookup.pid_running is False:
+        return False
+    explicit = lookup.found is not None and lookup.found.source.startswith(("flag ", "env "))
+    if explicit or not current.installed:
+        return True
+    return bool(current.active == "active")
+
+
+def _dra_state_json(current: Any) -> dict[str, Any]:
+    from gpunode.cli.plugin import _state_json
+    from gpunode.systemd.service import DRA
+
+    doc = _state_json(current, DRA.unit)
+    doc["driver"] = doc.pop("plugin")
+    return doc
+
+
+def _print_dra_state(current: Any) -> None:
+    from gpunode.systemd.service import DRA
+
+    props = current.properties
+    if current.installed:
+        click.echo(
+            f"service: {props.get('ActiveState', 'unknown')} ({props.get('SubState', '?')}), "
+            f"{props.get('UnitFileState', 'unknown')}, restarts {props.get('NRestarts', '?')}"
+        )
+    else:
+        click.echo(f"service: {DRA.unit} is not installed (or systemd does not answer)")
+    lookup = current.lookup
+    if lookup.found is None:
+        click.echo("driver: no status (not running); looked for its status file at:")
+        for place in lookup.looked:
+            click.echo(f"  {place.path} ({place.source})")
+        click.echo("  (a driver run by hand or in a container: --status-file PATH, as it was given)")
+        return
+    click.echo(f"status file: {lookup.found.path} ({lookup.found.source})")
+    if lookup.problem:
+        click.echo(f"driver: unreadable status: {lookup.problem}")
+        return
+    doc = lookup.document or {}
+    stale = " (not running: the file is stale)" if lookup.pid_running is False else ""
+    click.echo(
+        f"driver: {doc.get('driver')} on node {doc.get('node')}, pid {doc.get('pid')}{stale}, "
+        f"{doc.get('state')}"
+    )
+    click.echo(f"  sockets: {doc.get('dra_socket')}, {doc.get('registration_socket')}")
+    devices: dict[str, Any] = doc["devices"] if isinstance(doc.get("devices"), dict) else {}
+    healthy = len([d for d in devices.values() if isinstance(d, dict) and d.get("healthy")])
+    click.echo(f"  devices: {healthy}/{len(devices)} healthy")
+    for name, device in sorted(devices.items()):
+        if isinstance(device, dict) and not device.get("healthy"):
+            click.echo(f"    {name} ({device.get('uuid')}): {device.get('reason')}")
+    slices: dict[str, Any] = doc["slices"] if isinstance(doc.get("slices"), dict) else {}
+    error = slices.get("error")
+    click.echo(
+        f"  slices: generation {slices.get('generation')}" + (f"; last API error: {error}" if error else "")
+    )

@@ -619,12 +619,12 @@ def _print_links(plan: Any, host: Any, *, done: bool) -> None:
         click.echo(line)
 
 
-def _state_json(current: Any) -> dict[str, Any]:
+def _state_json(current: Any, unit: str = "gpunode-device-plugin.service") -> dict[str, Any]:
     props = current.properties
     lookup = current.lookup
     return {
         "service": {
-            "unit": "gpunode-device-plugin.service",
+            "unit": unit,
             "installed": current.installed,
             "active_state": props.get("ActiveState"),
             "sub_state": props.get("SubState"),
@@ -705,7 +705,8 @@ def _print_plan(plan: Any, host: Any) -> None:
         click.echo(f"would run: {' '.join(argv)}")
     _print_links(plan, host, done=False)
     if plan.wait_ready:
-        click.echo("would wait until the plugin is registered with kubelet (the unit turns active)")
+        who = "the plugin" if plan.spec.command == "plugin" else plan.spec.unit
+        click.echo(f"would wait until {who} is registered with kubelet (the unit turns active)")
     for note in plan.notes:
         click.echo(f"note: {note}")
     if plan.changes_nothing:

@@ -77,20 +77,22 @@ class Lookup:
         return bool(self.document and self.document.get("ready")) and self.pid_running is not False
 
 
-def _unit_environment(host: Host, unit: str, properties: Mapping[str, str]) -> list[Place]:
+def _unit_environment(
+    host: Host, unit: str, properties: Mapping[str, str], env_name: str = ENV
+) -> list[Place]:
     """GPUNODE_PLUGIN_STATUS_FILE as the unit sets it: its EnvironmentFile= files win over Environment=,
     as systemd applies them (systemd.exec, EnvironmentFile=)."""
     places: list[Place] = []
     for word in _split(properties.get("Environment", "")):
         name, eq, value = word.partition("=")
-        if eq and name == ENV and value:
+        if eq and name == env_name and value:
             places = [Place(value, f"{unit} Environment=")]
     for line in properties.get("EnvironmentFiles", "").splitlines():
         # systemctl show: "/etc/default/gpunode-device-plugin (ignore_errors=yes)", one line per file.
         env_file = line.rsplit(" (", 1)[0].strip()
         if not env_file.startswith("/"):
             continue
-        from_file = environment_file(host, env_file).get(ENV)
+        from_file = environment_file(host, env_file).get(env_name)
         if from_file:
             places = [Place(from_file, f"{unit} EnvironmentFile={env_file}")]
     return places
@@ -198,23 +200,27 @@ def find(
     env: Mapping[str, str],
     unit: str,
     unit_properties: Mapping[str, str],
+    env_name: str = ENV,
+    default: str = DEFAULT,
 ) -> Lookup:
     """Read the plugin's status file. An explicit place (the flag, else $GPUNODE_PLUGIN_STATUS_FILE) is the
-    only one looked at; otherwise the unit's setting, then the default."""
+    only one looked at; otherwise the unit's setting, then the default. `env_name` and `default`: another
+    service's (the DRA driver's GPUNODE_DRA_STATUS_FILE, /run/gpunode/dra.json)."""
     if flag:
         places = [Place(flag, f"flag {FLAG}")]
-    elif env.get(ENV):
-        if not env[ENV].startswith("/"):
+    elif env.get(env_name):
+        if not env[env_name].startswith("/"):
             # Host paths are absolute (a relative one would be read relative to gpunode's own directory).
             raise UsageError(
-                f"{ENV}={env[ENV][:80]!r} is not an absolute path",
-                f"set {ENV} to the absolute path the plugin was started with (or unset it), then run again",
+                f"{env_name}={env[env_name][:80]!r} is not an absolute path",
+                f"set {env_name} to the absolute path the {'plugin' if env_name == ENV else 'driver'} was "
+                "started with (or unset it), then run again",
             )
-        places = [Place(env[ENV], f"env {ENV}")]
+        places = [Place(env[env_name], f"env {env_name}")]
     else:
-        places = _unit_environment(host, unit, unit_properties)
-        if all(p.path != DEFAULT for p in places):
-            places.append(Place(DEFAULT, "default"))
+        places = _unit_environment(host, unit, unit_properties, env_name)
+        if all(p.path != default for p in places):
+            places.append(Place(default, "default"))
     lookup = Lookup()
     for place in places:
         lookup.looked.append(place)

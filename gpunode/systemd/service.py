@@ -1,9 +1,12 @@
-"""Install, remove and inspect the device plugin's systemd service.
+"""Install, remove and inspect gpunode's systemd services: the device plugin's and the DRA driver's.
 
 detect → plan → apply → verify: `plan_install` reads the host and returns the files to write and the
 systemctl commands to run (what `--dry-run` prints); `apply_install` writes atomically, runs them and
 waits until systemd reports the unit active — with Type=notify that means the plugin has registered with
 kubelet. What install wrote is recorded (checksums) so that uninstall removes exactly that.
+
+The two services share this machinery; a UnitSpec says what differs (the unit, the command it runs, its
+record, its status file). A node runs one of them: each install refuses while the other is enabled.
 """
 
 from __future__ import annotations
@@ -64,6 +67,59 @@ SHOW_PROPERTIES = (
 
 
 @dataclass(frozen=True)
+class UnitSpec:
+    """One of gpunode's services: what install, uninstall and status need to know of it."""
+
+    command: str  # "plugin": `gpunode plugin install`, `gpunode plugin status`
+    unit: str
+    run_args: tuple[str, ...]  # what ExecStart runs after the gpunode program
+    record_path: str
+    env_file: str  # the unit's EnvironmentFile=
+    status_env: str  # the variable that moves the status file, and where it is by default
+    status_default: str
+    waiting_for: str  # install's progress line and `waited_for`
+    ready_fix: str  # what to check when the unit does not turn active
+
+    @property
+    def unit_path(self) -> str:
+        return f"/etc/systemd/system/{self.unit}"
+
+    @property
+    def interrupted(self) -> str:
+        # Ctrl-C during the wait: nothing is rolled back, so the message says what is left and where to look.
+        return (
+            f"interrupted while waiting: {self.unit} is installed and started; check it with "
+            f"`gpunode {self.command} status` / `journalctl -u {self.unit.removesuffix('.service')}`"
+        )
+
+
+PLUGIN = UnitSpec(
+    command="plugin",
+    unit=UNIT,
+    run_args=("plugin", "run"),
+    record_path=RECORD_PATH,
+    env_file="/etc/default/gpunode-device-plugin",
+    status_env=statusfile.ENV,
+    status_default=STATUS_FILE,
+    waiting_for=WAITING_FOR,
+    ready_fix="the plugin is ready once it has registered with kubelet",
+)
+DRA = UnitSpec(
+    command="dra",
+    unit="gpunode-dra-driver.service",
+    run_args=("dra", "run"),
+    record_path="/var/lib/gpunode/dra-service.json",
+    env_file="/etc/default/gpunode-dra-driver",
+    status_env="GPUNODE_DRA_STATUS_FILE",
+    status_default="/run/gpunode/dra.json",
+    waiting_for="gpunode-dra-driver.service to register with kubelet",
+    ready_fix="the DRA driver is ready once its sockets are served and registered with kubelet",
+)
+# One side per node: two services would serve the same GPUs to kubelet through two APIs.
+_OTHER = {PLUGIN.unit: DRA, DRA.unit: PLUGIN}
+
+
+@dataclass(frozen=True)
 class FileWrite:
     path: str
     content: str
@@ -89,6 +145,7 @@ class ServicePlan:
     # operator to run on the system in the root (nothing runs on this machine).
     links: tuple[enable.Link, ...] = ()
     next_steps: tuple[tuple[str, ...], ...] = ()
+    spec: UnitSpec = PLUGIN
 
     @property
     def changes_nothing(self) -> bool:
@@ -166,9 +223,9 @@ def _under(path: str, prefixes: Iterable[str]) -> list[str]:
     return [p for p in prefixes if path == p or path.startswith(p + "/")]
 
 
-def render_unit(executable: str) -> str:
-    template = resources.files("gpunode.templates").joinpath(UNIT).read_text(encoding="utf-8")
-    text = template.replace("@EXEC_START@", exec_start(executable, ["plugin", "run"]))
+def render_unit(executable: str, spec: UnitSpec = PLUGIN) -> str:
+    template = resources.files("gpunode.templates").joinpath(spec.unit).read_text(encoding="utf-8")
+    text = template.replace("@EXEC_START@", exec_start(executable, list(spec.run_args)))
     for option, prefixes in _HIDING.items():
         hidden_under = _under(executable, prefixes)
         if hidden_under:
@@ -197,7 +254,11 @@ def hardening_relaxed(executable: str) -> list[str]:
 
 
 def service_state(
-    host: Host, *, status_file: str | None = None, env: Mapping[str, str] | None = None
+    host: Host,
+    *,
+    status_file: str | None = None,
+    env: Mapping[str, str] | None = None,
+    spec: UnitSpec = PLUGIN,
 ) -> ServiceState:
     """systemd's view of the unit and the plugin's status file: `status_file`, else
     $GPUNODE_PLUGIN_STATUS_FILE in `env`, else where the unit tells the service to write it, else the
@@ -209,7 +270,7 @@ def service_state(
         # file in the root alone tells (ActiveState stays "unknown").
         if not host.offline:
             result = host.run(
-                ["systemctl", "show", UNIT, *(f"--property={p}" for p in SHOW_PROPERTIES)],
+                ["systemctl", "show", spec.unit, *(f"--property={p}" for p in SHOW_PROPERTIES)],
                 timeout=SYSTEMCTL_TIMEOUT,
             )
     except CommandFailed:
@@ -222,7 +283,13 @@ def service_state(
                 value = f"{props[key]}\n{value}"
             props[key] = value
     lookup = statusfile.find(
-        host, flag=status_file, env=env if env is not None else {}, unit=UNIT, unit_properties=props
+        host,
+        flag=status_file,
+        env=env if env is not None else {},
+        unit=spec.unit,
+        unit_properties=props,
+        env_name=spec.status_env,
+        default=spec.status_default,
     )
     return ServiceState(props, lookup.document, lookup)
 
@@ -247,10 +314,13 @@ def plan_install(
     start: bool,
     executable: str,
     doctor_metrics: str | None = None,
+    spec: UnitSpec = PLUGIN,
 ) -> ServicePlan:
     """What install would write and run. A config file is validated first (before systemd is touched).
-    `doctor_metrics` (a directory): also the timer that writes doctor's findings there."""
-    files = [_planned_file(host, UNIT_PATH, render_unit(executable))]
+    `doctor_metrics` (a directory): also the timer that writes doctor's findings there (the plugin's
+    options: the DRA driver takes its settings from its environment file)."""
+    _refuse_other_side(host, spec)
+    files = [_planned_file(host, spec.unit_path, render_unit(executable, spec))]
     if config_file is not None:
         files.append(_planned_file(host, CONFIG_PATH, _validated_config(host, config_file, executable)))
     doctor_files = []
@@ -261,9 +331,9 @@ def plan_install(
             _planned_file(host, f"/etc/systemd/system/{DOCTOR_TIMER}", timer),
         ]
     if host.offline:
-        enable.require_program(host, executable, "plugin install")
-        return _plan_install_offline(host, files, doctor_files, start=start, executable=executable)
-    state = service_state(host)
+        enable.require_program(host, executable, f"{spec.command} install")
+        return _plan_install_offline(host, files, doctor_files, start=start, executable=executable, spec=spec)
+    state = service_state(host, spec=spec)
     commands: list[tuple[str, ...]] = []
     unit_changed = files[0].changed
     config_changed = len(files) > 1 and files[1].changed
@@ -274,16 +344,41 @@ def plan_install(
     if doctor_changed:
         commands.append(("systemctl", "enable", "--now", DOCTOR_TIMER))
     if not state.enabled or unit_changed:
-        commands.append(("systemctl", "enable", UNIT))
+        commands.append(("systemctl", "enable", spec.unit))
     running = state.active in ("active", "activating", "reloading")
     if start:
         if not running:
-            commands.append(("systemctl", "start", "--no-block", UNIT))
+            commands.append(("systemctl", "start", "--no-block", spec.unit))
         elif unit_changed:
-            commands.append(("systemctl", "restart", "--no-block", UNIT))
+            commands.append(("systemctl", "restart", "--no-block", spec.unit))
         elif config_changed:
-            commands.append(("systemctl", "reload", UNIT))  # SIGHUP: the plugin re-reads its config
-    return ServicePlan(tuple(files), tuple(commands), wait_ready=start, notes=_notes(executable))
+            commands.append(("systemctl", "reload", spec.unit))  # SIGHUP: the plugin re-reads its config
+    return ServicePlan(tuple(files), tuple(commands), wait_ready=start, notes=_notes(executable), spec=spec)
+
+
+def _refuse_other_side(host: Host, spec: UnitSpec) -> None:
+    """One side per node: the device plugin and the DRA driver would both hand the GPUs to kubelet."""
+    other = _OTHER[spec.unit]
+    if not host.exists(other.unit_path):
+        return  # gpunode writes its units there: without the file, the other side is not gpunode's
+    if host.offline:
+        # This machine's systemd knows nothing of the root's units: enabled is the link `enable` makes.
+        wants = f"/etc/systemd/system/multi-user.target.wants/{other.unit}"
+        enabled = os.path.lexists(host.path(wants))
+    else:
+        state = service_state(host, spec=other)
+        enabled = state.installed and state.enabled
+    if enabled:
+        raise GpunodeError(
+            f"{other.unit} is installed and enabled: gpunode's {_SIDE[other.command]} already serves this "
+            f"node's GPUs, and one node serves them through one kubelet API",
+            f"switch the node over with `gpunode up` (issue 26), or run `gpunode {other.command} uninstall` "
+            f"first, then run `gpunode {spec.command} install` again",
+            exit_code=ExitCode.ERROR,
+        )
+
+
+_SIDE = {"plugin": "device plugin", "dra": "DRA driver"}
 
 
 def _notes(executable: str) -> tuple[str, ...]:
@@ -295,12 +390,18 @@ def _notes(executable: str) -> tuple[str, ...]:
 
 
 def _plan_install_offline(
-    host: Host, files: list[FileWrite], doctor_files: list[FileWrite], *, start: bool, executable: str
+    host: Host,
+    files: list[FileWrite],
+    doctor_files: list[FileWrite],
+    *,
+    start: bool,
+    executable: str,
+    spec: UnitSpec,
 ) -> ServicePlan:
     """Under --root: the files written into the root, the units enabled by their links there, and the
     rest — reload, start — left as next steps for the system in the root (nothing runs here)."""
     unit, config = files[0], (files[1] if len(files) > 1 else None)
-    links = enable.enable_links(host, UNIT, unit.content)
+    links = enable.enable_links(host, spec.unit, unit.content)
     steps: list[tuple[str, ...]] = []
     if unit.changed or any(f.changed for f in doctor_files):
         steps.append(("systemctl", "daemon-reload"))
@@ -312,14 +413,14 @@ def _plan_install_offline(
         # Whether the plugin runs there now is not known from here: a unit that was there is taken to be
         # running (a restart or a reload applies the change), a new one to be started.
         if unit.before is None:
-            steps.append(("systemctl", "start", UNIT))
+            steps.append(("systemctl", "start", spec.unit))
         elif unit.changed:
-            steps.append(("systemctl", "restart", UNIT))
+            steps.append(("systemctl", "restart", spec.unit))
         elif config is not None and config.changed:
-            steps.append(("systemctl", "reload", UNIT))
+            steps.append(("systemctl", "reload", spec.unit))
     files += doctor_files
     notes = _notes(executable)
-    return ServicePlan(tuple(files), (), notes=notes, links=tuple(links), next_steps=tuple(steps))
+    return ServicePlan(tuple(files), (), notes=notes, links=tuple(links), next_steps=tuple(steps), spec=spec)
 
 
 # Where the unit's own hardening puts a private or read-only view (ProtectSystem=full: /usr, /boot, /etc).
@@ -389,10 +490,11 @@ def apply_install(
     progress: Callable[[Waiting], None] | None = None,
 ) -> ServiceState:
     """`progress` is called at each poll of the wait for the unit (see wait_until_active)."""
-    require_root(host, "plugin install")
+    spec = plan.spec
+    require_root(host, f"{spec.command} install")
     changed = False  # a file written, a link made or a systemctl command run: nothing is rolled back
     try:
-        record = _read_record(host)
+        record = _read_record(host, spec)
         for f in plan.files:
             if f.changed:
                 backup = f"{BACKUP_DIR}{f.path}" if f.before is not None and f.path not in record else None
@@ -401,8 +503,8 @@ def apply_install(
                 )
                 changed = True
             record[f.path] = _digest(f.content)
-        host.make_dirs(os.path.dirname(RECORD_PATH))
-        host.write_file(RECORD_PATH, json.dumps(record, indent=2, sort_keys=True) + "\n", mode=0o644)
+        host.make_dirs(os.path.dirname(spec.record_path))
+        host.write_file(spec.record_path, json.dumps(record, indent=2, sort_keys=True) + "\n", mode=0o644)
         changed = changed or any(link.changed for link in plan.links)
         enable.apply(host, plan.links)
         for argv in plan.commands:
@@ -411,8 +513,10 @@ def apply_install(
         if host.offline:
             return ServiceState()  # this machine's systemd knows nothing of the root's units: not asked
         if not plan.wait_ready:
-            return service_state(host)
-        return wait_until_active(host, timeout=timeout, sleep=sleep, clock=clock, progress=progress)
+            return service_state(host, spec=spec)
+        return wait_until_active(
+            host, timeout=timeout, sleep=sleep, clock=clock, progress=progress, spec=spec
+        )
     except GpunodeError as err:
         # The files written stay (a re-run finishes the install, uninstall removes them): the --json
         # error document must say that the host changed.
@@ -427,6 +531,7 @@ def wait_until_active(
     sleep: Callable[[float], None] | None = None,
     clock: Callable[[], float] | None = None,
     progress: Callable[[Waiting], None] | None = None,
+    spec: UnitSpec = PLUGIN,
 ) -> ServiceState:
     """Type=notify: the unit turns active only after the plugin's READY=1, i.e. once it has registered.
 
@@ -439,39 +544,41 @@ def wait_until_active(
     start = clock()
     try:
         while True:
-            state = service_state(host)
+            state = service_state(host, spec=spec)
             elapsed = max(0.0, clock() - start)
             over = state.active in ("active", "failed") or elapsed >= timeout
             if progress is not None:
-                progress(Waiting(WAITING_FOR, elapsed, timeout, done=over))
+                progress(Waiting(spec.waiting_for, elapsed, timeout, done=over))
             if state.active == "active":
                 state.waited_s = elapsed
                 return state
             if over:
                 why = state.properties.get("StatusText") or state.properties.get("Result") or state.active
                 raise CommandFailed(
-                    f"{UNIT} did not become ready within {timeout:.0f}s ({state.active}: {why})"
-                    + journal_tail(host, UNIT),
-                    "the plugin is ready once it has registered with kubelet: check that kubelet runs "
-                    f"(`systemctl status kubelet`) and `journalctl -u {UNIT}`",
+                    f"{spec.unit} did not become ready within {timeout:.0f}s ({state.active}: {why})"
+                    + journal_tail(host, spec.unit),
+                    f"{spec.ready_fix}: check that kubelet runs "
+                    f"(`systemctl status kubelet`) and `journalctl -u {spec.unit}`",
                 )
             sleep(POLL_INTERVAL)
     except KeyboardInterrupt:
         # Not rolled back: the unit may still come up, and stopping a plugin that is about to register
         # would undo a good install. The host changed (the --json error document says so).
         err = GpunodeError(
-            INTERRUPTED,
-            "nothing was rolled back: the service comes up once the plugin registers; "
-            "`gpunode plugin uninstall` removes it",
+            spec.interrupted,
+            f"nothing was rolled back: the service comes up once the {spec.command.replace('dra', 'driver')} "
+            "registers; "
+            f"`gpunode {spec.command} uninstall` removes it",
             exit_code=ExitCode.INTERRUPTED,
         )
         err.changed = True
         raise err from None
 
 
-def plan_uninstall(host: Host) -> ServicePlan:
+def plan_uninstall(host: Host, spec: UnitSpec = PLUGIN) -> ServicePlan:
     """Stop, disable and remove what install wrote, and nothing else (files changed since are kept)."""
-    record = _read_record(host)
+    unit, unit_path, record_path = spec.unit, spec.unit_path, spec.record_path
+    record = _read_record(host, spec)
     remove: list[str] = []
     kept: list[str] = []
     notes: list[str] = []
@@ -484,40 +591,49 @@ def plan_uninstall(host: Host) -> ServicePlan:
         else:
             kept.append(path)
             notes.append(f"{path} was changed after gpunode wrote it; left in place")
-    if not record and host.exists(UNIT_PATH):
-        notes.append(f"{UNIT_PATH} was not installed by gpunode (no record); left in place")
+    if not record and host.exists(unit_path):
+        notes.append(f"{unit_path} was not installed by gpunode (no record); left in place")
     if host.offline:
         # Under --root: the links to the units removed go with them (what `systemctl disable` removes);
         # stopping and reloading are for the system in the root, if it runs.
         gone = [
-            os.path.basename(p) for p in remove if p in (UNIT_PATH, f"/etc/systemd/system/{DOCTOR_TIMER}")
+            os.path.basename(p) for p in remove if p in (unit_path, f"/etc/systemd/system/{DOCTOR_TIMER}")
         ]
-        links = tuple(link for unit in gone for link in enable.disable_links(host, unit))
+        links = tuple(link for name in gone for link in enable.disable_links(host, name))
         steps = (("systemctl", "stop", *gone), ("systemctl", "daemon-reload")) if gone else ()
         return ServicePlan(
-            (), (), remove=tuple(remove), notes=tuple(notes), kept=tuple(kept), links=links, next_steps=steps
+            (),
+            (),
+            remove=tuple(remove),
+            notes=tuple(notes),
+            kept=tuple(kept),
+            links=links,
+            next_steps=steps,
+            spec=spec,
         )
-    state = service_state(host)
+    state = service_state(host, spec=spec)
     commands: list[tuple[str, ...]] = []
     running = state.active not in ("inactive", "unknown") or state.enabled
     if record and running:
-        commands.append(("systemctl", "disable", "--now", UNIT))
+        commands.append(("systemctl", "disable", "--now", unit))
     elif running:
         # Without a record the unit is someone else's (installed by hand, or by another tool): stopping
         # it would undo what gpunode never did.
         notes.append(
-            f"{UNIT} is {state.active}{' and enabled' if state.enabled else ''}, but gpunode has no record "
-            f"of installing it ({RECORD_PATH}); left running as it is"
+            f"{unit} is {state.active}{' and enabled' if state.enabled else ''}, but gpunode has no record "
+            f"of installing it ({record_path}); left running as it is"
         )
     if f"/etc/systemd/system/{DOCTOR_TIMER}" in record:
         commands.append(("systemctl", "disable", "--now", DOCTOR_TIMER))
-    if UNIT_PATH in remove or f"/etc/systemd/system/{DOCTOR_TIMER}" in remove:
+    if unit_path in remove or f"/etc/systemd/system/{DOCTOR_TIMER}" in remove:
         commands.append(("systemctl", "daemon-reload"))
-    return ServicePlan((), tuple(commands), remove=tuple(remove), notes=tuple(notes), kept=tuple(kept))
+    return ServicePlan(
+        (), tuple(commands), remove=tuple(remove), notes=tuple(notes), kept=tuple(kept), spec=spec
+    )
 
 
 def apply_uninstall(host: Host, plan: ServicePlan) -> None:
-    require_root(host, "plugin uninstall")
+    require_root(host, f"{plan.spec.command} uninstall")
     reload_cmd = ("systemctl", "daemon-reload")
     for argv in plan.commands:
         if argv != reload_cmd:
@@ -527,11 +643,11 @@ def apply_uninstall(host: Host, plan: ServicePlan) -> None:
         host.remove_file(path)
     if reload_cmd in plan.commands:
         host.run(list(reload_cmd), timeout=SYSTEMCTL_TIMEOUT).check()
-    host.remove_file(RECORD_PATH)
+    host.remove_file(plan.spec.record_path)
 
 
-def _read_record(host: Host) -> dict[str, str]:
-    text = host.read_text_if_exists(RECORD_PATH)
+def _read_record(host: Host, spec: UnitSpec = PLUGIN) -> dict[str, str]:
+    text = host.read_text_if_exists(spec.record_path)
     if not text:
         return {}
     try:
