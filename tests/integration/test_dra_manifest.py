@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+import helm_python
 import kubernetes_validate
 import pytest
 import yaml
@@ -22,6 +23,9 @@ from gpunode.cli.main import main
 from gpunode.dra import manifest as dm
 from gpunode.dra.classes import device_classes
 from gpunode.host import Host
+
+# The chart rendered by Helm's engine (values schema first), as test_daemonset.py renders it.
+from tests.integration.test_daemonset import HELM_LABELS, render_chart
 
 DRA_VERSIONS = [f"1.{minor}" for minor in range(34, 38)]
 
@@ -179,3 +183,104 @@ def test_bad_driver_and_namespace_are_usage_errors(
         out, err = capsys.readouterr()
         assert code == 2, args
         assert out == "" and "Traceback" not in err
+
+
+# --- the chart's dra.enabled ------------------------------------------------------------------------------
+
+DRA = {"dra": {"enabled": True}}
+
+
+def as_cli_names(objects: list[dict[str, Any]], names: dict[str, str]) -> list[dict[str, Any]]:
+    """The chart's objects with `plugin manifest`'s names and without Helm's own labels, which is all that
+    legitimately differs (test_daemonset.py's `comparable` for the plugin)."""
+    text = yaml.safe_dump(objects, sort_keys=True)
+    out = yaml.safe_load(text)
+    for obj in out:
+        if obj["kind"] == "DeviceClass":
+            continue  # gpunode's labels, as `dra classes` writes them (managed-by gpunode, not Helm)
+        for where in (obj["metadata"], obj.get("spec", {}).get("template", {}).get("metadata", {})):
+            for label in HELM_LABELS:
+                where.get("labels", {}).pop(label, None)
+        if obj["kind"] == "DaemonSet":
+            obj["spec"]["selector"]["matchLabels"].pop("app.kubernetes.io/instance")
+    text = yaml.safe_dump(out, sort_keys=True)
+    for chart_name, cli_name in names.items():
+        text = text.replace(chart_name, cli_name)
+    return sorted(yaml.safe_load(text), key=lambda o: (o["kind"], o["metadata"]["name"]))
+
+
+@pytest.mark.parametrize(
+    ("values", "args"),
+    [
+        ({}, []),
+        (
+            {
+                "image": {"repository": "registry.example/gpunode", "tag": "1"},
+                "dra": {
+                    "driver": "gpu.example.com",
+                    "driverRoot": "/opt/nvidia-driver",
+                    "extendedResource": False,
+                },
+            },
+            [
+                "--image",
+                "registry.example/gpunode:1",
+                "--driver",
+                "gpu.example.com",
+                "--driver-root",
+                "/opt/nvidia-driver",
+                "--no-extended-resource",
+            ],
+        ),
+        ({"dra": {"deviceClasses": False}}, ["--no-classes"]),
+    ],
+)
+def test_chart_with_dra_enabled_renders_dra_manifests_objects(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], values: dict[str, Any], args: list[str]
+) -> None:
+    merged = {**values, "dra": {"enabled": True, **values.get("dra", {})}}
+    chart = render_chart(merged, name="gpunode-device-plugin", namespace="gpunode-system")
+    validate(chart)
+    kinds = [o["kind"] for o in chart]
+    assert "Namespace" not in kinds  # Helm's --create-namespace makes it
+    cli = [o for o in dra_manifest(tmp_path, capsys, *args) if o["kind"] != "Namespace"]
+    names = {
+        # The chart's cluster-wide RBAC carries the namespace; its other names are the release's.
+        "gpunode-device-plugin-gpunode-system": "gpunode-dra-driver",
+        "gpunode-device-plugin": "gpunode-dra-driver",
+    }
+    # The same replacement on both sides: the kubeconfig's user is named gpunode-device-plugin in both.
+    cli_text = yaml.safe_dump(cli, sort_keys=True).replace("gpunode-device-plugin", "gpunode-dra-driver")
+    want = sorted(yaml.safe_load(cli_text), key=lambda o: (o["kind"], o["metadata"]["name"]))
+    assert as_cli_names(chart, names) == want
+
+
+def test_chart_without_dra_renders_no_dra_object() -> None:
+    objects = render_chart({})
+    assert {o["kind"] for o in objects} == {"ServiceAccount", "ConfigMap", "DaemonSet"}
+    [ds] = [o for o in objects if o["kind"] == "DaemonSet"]
+    assert ds["spec"]["template"]["spec"]["containers"][0]["name"] == "device-plugin"
+
+
+@pytest.mark.parametrize(
+    ("dra", "words"),
+    [
+        ({"driverRoot": "/"}, "driverRoot"),
+        ({"driverRoot": "relative"}, "driverRoot"),
+        ({"driverRoot": "/run/../usr"}, "driverRoot"),
+        ({"driver": "Not_A_Driver"}, "driver"),
+        ({"enabeld": True}, "enabeld"),
+    ],
+)
+def test_chart_schema_refuses_bad_dra_values(dra: dict[str, Any], words: str) -> None:
+    with pytest.raises(helm_python.HelmValuesError) as caught:
+        render_chart({"dra": {"enabled": True, **dra}})
+    assert words in str(caught.value)
+
+
+@pytest.mark.parametrize("root", ["/usr/local/nvidia", "/var/lib/kubelet", "/var/run/cdi/driver"])
+def test_chart_refuses_a_driver_root_it_cannot_mount_at_its_own_path(root: str) -> None:
+    with pytest.raises(helm_python.HelmError) as caught:
+        render_chart({"dra": {"enabled": True, "driverRoot": root}})
+    assert "dra.driverRoot" in str(caught.value)
+    assert "gpunode dra install" in str(caught.value)
