@@ -8,6 +8,7 @@ import click
 
 from gpunode.cli.common import Group, checked, complete_simulate, exit_codes
 from gpunode.cli.node import kube_options
+from gpunode.cli.plugin_manifest import _image, _namespace
 
 if TYPE_CHECKING:
     from gpunode.dra.classes import ClassChange
@@ -571,3 +572,76 @@ def _print_dra_state(current: Any) -> None:
     click.echo(
         f"  slices: generation {slices.get('generation')}" + (f"; last API error: {error}" if error else "")
     )
+
+
+def _driver_root(path: str) -> None:
+    from gpunode.dra.manifest import driver_root_path
+
+    driver_root_path(path)
+
+
+@app.command(
+    "manifest",
+    epilog=exit_codes("0    printed"),
+)
+@click.option(
+    "--namespace",
+    metavar="NAME",
+    default="gpunode-system",
+    show_default=True,
+    callback=checked(_namespace),
+    help="The namespace created for the driver.",
+)
+@click.option(
+    "--image",
+    metavar="IMAGE",
+    default=None,
+    callback=checked(_image),
+    help="The image built from the Containerfile (default gpunode-device-plugin:<this version>).",
+)
+@click.option(
+    "--driver",
+    default="gpu.nvidia.com",
+    show_default=True,
+    metavar="NAME",
+    callback=checked(_driver),
+    shell_complete=_complete_driver,
+    help="The DRA driver name the pods serve (`dra run --driver`) and the DeviceClasses select.",
+)
+@click.option(
+    "--driver-root",
+    default="/run/nvidia/driver",
+    show_default=True,
+    metavar="PATH",
+    callback=checked(_driver_root),
+    help="Where the NVIDIA driver's files are on the nodes, mounted at that same path in the container "
+    "(the claims' CDI specs name host paths): the GPU Operator's driver container's. A driver installed on "
+    "the host (/) is served by `gpunode dra install` instead.",
+)
+@click.option("--no-classes", is_flag=True, help="Leave the DeviceClasses out of the output.")
+@click.option(
+    "--no-extended-resource",
+    is_flag=True,
+    help="Leave out the gpu class's extendedResourceName: nvidia.com/gpu (as `dra classes`).",
+)
+def manifest(
+    namespace: str,
+    image: str | None,
+    driver: str,
+    driver_root: str,
+    no_classes: bool,
+    no_extended_resource: bool,
+) -> None:
+    """Print the Kubernetes manifests (Namespace, ServiceAccount, RBAC, ConfigMap, DaemonSet, DeviceClasses)
+    that run `gpunode dra run` on every GPU node, for `kubectl apply -f -`."""
+    from gpunode.dra import manifest as dm
+
+    options = dm.DraManifestOptions(
+        namespace=namespace,
+        image=image or dm.IMAGE,
+        driver=driver,
+        driver_root=dm.driver_root_path(driver_root),
+        classes=not no_classes,
+        extended_resource=not no_extended_resource,
+    )
+    click.echo(dm.manifests(options), nl=False)

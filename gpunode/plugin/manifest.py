@@ -75,12 +75,12 @@ SYSTEM_DIRS = ("/etc", "/var", "/opt", "/usr", "/bin", "/sbin", "/lib", "/lib64"
 PROGRAM_DIRS = ("/opt/gpunode", "/usr", "/bin", "/sbin", "/lib", "/lib64", "/proc", "/sys", "/dev")
 
 
-def _under(path: str, directory: str) -> bool:
+def under(path: str, directory: str) -> bool:
     """`path` is `directory` or below it (both normalised, absolute)."""
     return path == directory or path.startswith(directory.rstrip("/") + "/")
 
 
-def _normalised(path: str) -> str | None:
+def normalised(path: str) -> str | None:
     """An absolute path without `..`, `.` and repeated slashes, or None for a relative one or one with `..`
     (which kubelet would resolve against whatever is mounted where, and the API refuses in a hostPath)."""
     parts = path.split("/")
@@ -93,7 +93,7 @@ def status_file_path(path: str) -> str:
     """--status-file, normalised; UsageError where its directory (an emptyDir mounted over whatever the
     image has there) would be `/`, would cover or sit inside another of the container's mounts (two
     volumes on one path, or the status volume hiding the socket directory), or would hide the system."""
-    normal = _normalised(path)
+    normal = normalised(path)
     fix = "give a file in a directory of its own, e.g. /run/gpunode/plugin-status.json"
     if normal is None or path.endswith("/") or normal == "/":
         raise UsageError(
@@ -108,17 +108,17 @@ def status_file_path(path: str) -> str:
         SERVICE_ACCOUNT: "the service account token",
     }
     for mount, what in mounts.items():
-        if _under(directory, mount) or _under(mount, directory):
+        if under(directory, mount) or under(mount, directory):
             raise UsageError(
                 f"plugin manifest: --status-file {path!r}: its directory {directory} (a volume of its own) "
-                f"{'is' if directory == mount else 'is inside' if _under(directory, mount) else 'covers'} "
+                f"{'is' if directory == mount else 'is inside' if under(directory, mount) else 'covers'} "
                 f"{mount}, {what}'s mount",
                 fix,
             )
     if (
         directory == "/"
-        or any(_under(d, directory) for d in SYSTEM_DIRS)
-        or any(_under(directory, d) for d in PROGRAM_DIRS)
+        or any(under(d, directory) for d in SYSTEM_DIRS)
+        or any(under(directory, d) for d in PROGRAM_DIRS)
     ):
         raise UsageError(
             f"plugin manifest: --status-file {path!r}: its directory {directory} would be an empty volume "
@@ -136,7 +136,7 @@ def host_paths(config: PluginConfig) -> tuple[str, str]:
     for name, value in (("driver_root", config.driver_root), ("socket_dir", config.socket_dir)):
         key = name.replace("_", "-")
         where = f"{key} ({config.origins.get(name, 'default')})"
-        normal = _normalised(value)
+        normal = normalised(value)
         if normal is None:
             raise ConfigError(
                 f"{where}: {value!r} has a '..' component, which a hostPath volume may not have",
@@ -189,11 +189,44 @@ def config_toml(config: PluginConfig) -> str:
     return tomlkit.dumps(document)
 
 
-def _labels(component: str | None = None) -> dict[str, str]:
-    labels = {"app.kubernetes.io/name": NAME, "app.kubernetes.io/part-of": "gpunode"}
+def labels(name: str, component: str | None = None) -> dict[str, str]:
+    """The labels of every object of a gpunode DaemonSet form (the plugin's and `dra manifest`'s)."""
+    out = {"app.kubernetes.io/name": name, "app.kubernetes.io/part-of": "gpunode"}
     if component:
-        labels["app.kubernetes.io/component"] = component
-    return labels
+        out["app.kubernetes.io/component"] = component
+    return out
+
+
+def _labels(component: str | None = None) -> dict[str, str]:
+    return labels(NAME, component)
+
+
+def namespace_object(namespace: str, name: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Namespace",
+        "metadata": {
+            "name": namespace,
+            "labels": {
+                **labels(name),
+                # hostPath volumes are refused by the baseline and restricted Pod Security levels.
+                "pod-security.kubernetes.io/enforce": "privileged",
+            },
+        },
+    }
+
+
+def security_context() -> dict[str, Any]:
+    """The container's: root owns kubelet's directories; nothing else of root's is kept."""
+    return {
+        "runAsUser": 0,
+        "runAsGroup": 0,
+        "allowPrivilegeEscalation": False,
+        "privileged": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
 
 
 def objects(options: ManifestOptions, toml_text: str) -> list[dict[str, Any]]:
@@ -204,18 +237,7 @@ def objects(options: ManifestOptions, toml_text: str) -> list[dict[str, Any]]:
         data["kubeconfig"] = IN_CLUSTER_KUBECONFIG
     meta = {"name": NAME, "namespace": ns, "labels": _labels()}
     out: list[dict[str, Any]] = [
-        {
-            "apiVersion": "v1",
-            "kind": "Namespace",
-            "metadata": {
-                "name": ns,
-                "labels": {
-                    **_labels(),
-                    # hostPath volumes are refused by the baseline and restricted Pod Security levels.
-                    "pod-security.kubernetes.io/enforce": "privileged",
-                },
-            },
-        },
+        namespace_object(ns, NAME),
         {
             "apiVersion": "v1",
             "kind": "ServiceAccount",
@@ -294,16 +316,7 @@ def _daemonset(options: ManifestOptions, toml_text: str) -> dict[str, Any]:
             "requests": {"cpu": "50m", "memory": "64Mi"},
             "limits": {"memory": "256Mi"},
         },
-        "securityContext": {
-            # Root owns kubelet's socket directory; nothing else of root's is kept.
-            "runAsUser": 0,
-            "runAsGroup": 0,
-            "allowPrivilegeEscalation": False,
-            "privileged": False,
-            "readOnlyRootFilesystem": True,
-            "capabilities": {"drop": ["ALL"]},
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": security_context(),
         "livenessProbe": {
             "exec": {"command": liveness_command(options.status_file)},
             # kubelet runs the probe, so kubelet is up when it fails: 3 misses in 90 s is a plugin that

@@ -91,16 +91,20 @@ template, rolls the pods when it changes. */}}
 
 {{/* The pod template's labels: the chart's own, then podLabels. A podLabels key the chart sets itself is
 refused rather than dropped or doubled: the selector labels must stay what the DaemonSet selects. */}}
+{{- define "gpunode.component" -}}
+{{ if .Values.dra.enabled }}dra-driver{{ else }}device-plugin{{ end }}
+{{- end }}
+
 {{- define "gpunode.podLabels" -}}
 {{- $own := include "gpunode.labels" . | fromYaml }}
-{{- $_ := set $own "app.kubernetes.io/component" "device-plugin" }}
+{{- $_ := set $own "app.kubernetes.io/component" (include "gpunode.component" .) }}
 {{- range $key, $value := .Values.podLabels }}
 {{- if hasKey $own $key }}
 {{- fail (printf "podLabels: %q is a label the chart sets itself (the DaemonSet's selector and Helm's standard labels); remove it from podLabels, or use nameOverride / fullnameOverride to change the names" $key) }}
 {{- end }}
 {{- end }}
 {{- include "gpunode.labels" . }}
-app.kubernetes.io/component: device-plugin
+app.kubernetes.io/component: {{ include "gpunode.component" . }}
 {{- with .Values.podLabels }}
 {{ toYaml . }}
 {{- end }}
