@@ -212,13 +212,17 @@ def run_gpunode(module, command, *, changes=True):
 
 def would_change(document, *, commands=False):
     """Whether a plan (a --dry-run document) changes something: a file it writes or removes, a step still
-    to do, a patch for the Node; with `commands`, any command it would run (toolkit: the package manager's,
-    which it plans only when packages are missing or at another version)."""
+    to do, a patch for the Node, an API object to create or update (dra classes); with `commands`, any
+    command it would run (toolkit: the package manager's, which it plans only when packages are missing or
+    at another version)."""
     if any(f.get("action") not in (None, "unchanged") for f in document.get("files") or []):
         return True
     if document.get("remove") or document.get("status_patch") or document.get("node_patch"):
         return True
     if any(s.get("status") == "to do" for s in document.get("steps") or []):
+        return True
+    # dra classes: a DeviceClass to create or update.
+    if any(a.get("action") not in (None, "unchanged") for a in document.get("applied") or []):
         return True
     return bool(commands and document.get("commands"))
 
