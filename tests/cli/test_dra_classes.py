@@ -293,7 +293,14 @@ def test_json_documents(root: Path, api: ApiServer, capsys: pytest.CaptureFixtur
 
 def test_shell_completion() -> None:
     assert completions(["gpunode", "dr"]) == ["dra"]
-    assert completions(["gpunode", "dra", ""]) == ["classes", "run", "install", "uninstall", "status", "manifest"]
+    assert completions(["gpunode", "dra", ""]) == [
+        "classes",
+        "run",
+        "install",
+        "uninstall",
+        "status",
+        "manifest",
+    ]
     assert completions(["gpunode", "dra", "classes", "--driver", "g"]) == ["gpu.nvidia.com"]
     assert completions(["gpunode", "dra", "classes", "--no-e"]) == ["--no-extended-resource"]
     assert "--dry-run" in completions(["gpunode", "dra", "classes", "--d"])
