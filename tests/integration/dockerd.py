@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -329,6 +330,17 @@ def version(binary: str | os.PathLike[str]) -> str:
         [os.fspath(binary), "--version"], capture_output=True, text=True, timeout=60, check=True
     )
     return result.stdout.strip()
+
+
+def record_installed(root: Path, binary: str | os.PathLike[str]) -> None:
+    """R's dpkg database says docker.io of this dockerd's version is installed. Under --root gpunode runs no
+    program of R (gpunode.runtimes.probe): the package database is how it learns which dockerd will read
+    the file, as on an image."""
+    found = re.search(r"version ([0-9]+\.[0-9]+\.[0-9]+)", version(binary))
+    assert found is not None, version(binary)
+    status = root / "var/lib/dpkg/status"
+    status.parent.mkdir(parents=True, exist_ok=True)
+    status.write_text(f"Package: docker.io\nStatus: install ok installed\nVersion: {found.group(1)}-1\n")
 
 
 # -- helpers ----------------------------------------------------------------------------------------
