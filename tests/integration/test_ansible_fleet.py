@@ -65,7 +65,7 @@ RECAP = re.compile(
 )
 PLUGIN_SERVICE = "gpunode-device-plugin.service"
 PLUGIN_UNIT = f"/etc/systemd/system/{PLUGIN_SERVICE}"
-MODULES = ("doctor", "down", "node", "plugin", "runtime", "toolkit", "up")
+MODULES = ("doctor", "down", "dra", "node", "plugin", "runtime", "toolkit", "up")
 # docs/fleets.md shows these exactly (test_docs_show_what_is_tested).
 BUILD = (
     "ansible-galaxy collection build ansible/ --output-path dist",
