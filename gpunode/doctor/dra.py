@@ -17,15 +17,15 @@ from typing import Any
 from gpunode import paths
 from gpunode.doctor.context import Context, simulated_tag
 from gpunode.doctor.model import Finding, Status
+from gpunode.dra import DEFAULT_DRIVER
 from gpunode.errors import GpunodeError, NotFound, NvmlError
 from gpunode.host import Host
 
 REGISTRY_DIR = "/var/lib/kubelet/plugins_registry"
 PLUGINS_DIR = "/var/lib/kubelet/plugins"
-# gpu.nvidia.com (gpunode.dra.slices.DEFAULT_DRIVER): the name NVIDIA's driver registers, and gpunode's by
+# gpu.nvidia.com (gpunode.dra.DEFAULT_DRIVER): the name NVIDIA's driver registers, and gpunode's by
 # default, so that DeviceClasses and claims written for NVIDIA's select the same GPUs. Spelled here so that
 # doctor imports nothing of the DRA driver (and its NVML and health modules) on a node without one.
-DEFAULT_DRIVER = "gpu.nvidia.com"
 GPU_RESOURCE = "nvidia.com/gpu"
 # kubelet gives GetInfo 1 s (pkg/kubelet/pluginmanager): a driver slower than that is not registered.
 GETINFO_TIMEOUT = 1.0

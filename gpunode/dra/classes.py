@@ -20,12 +20,12 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from gpunode.dra import DEFAULT_DRIVER
 from gpunode.errors import UsageError
 
 if TYPE_CHECKING:
     from gpunode.kube.client import KubeClient
 
-DEFAULT_DRIVER = "gpu.nvidia.com"  # NVIDIA's driver name: its classes and claims select these devices
 EXTENDED_RESOURCE = "nvidia.com/gpu"  # what unchanged pod specs ask for
 MANAGED_BY = {"app.kubernetes.io/managed-by": "gpunode"}  # says who wrote the class; others' labels stay
 API_VERSION = "resource.k8s.io/v1"  # the newest version, and the only one 1.34+ serves by default

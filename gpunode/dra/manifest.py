@@ -22,7 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from gpunode.dra.classes import DEFAULT_DRIVER, check_driver, device_classes
+from gpunode.dra import DEFAULT_DRIVER
+from gpunode.dra.classes import check_driver, device_classes
 from gpunode.errors import UsageError
 from gpunode.plugin import manifest as pm
 

@@ -27,13 +27,13 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Literal
 
+from gpunode.dra import DEFAULT_DRIVER
 from gpunode.errors import ConfigError
 from gpunode.nvml.discovery import sysfs_pci_address
 from gpunode.nvml.model import Gpu, Inventory, MigDevice
 from gpunode.plugin.health import HealthSettings
 
 API_VERSION = "resource.k8s.io/v1"
-DEFAULT_DRIVER = "gpu.nvidia.com"
 STANDARD_DOMAIN = "resource.kubernetes.io"  # attributes Kubernetes defines for every driver
 
 MAX_DEVICES = 128
